@@ -1,0 +1,102 @@
+"""Every class of bad input: exit 2, exactly one line on stderr naming the key, no traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchmeg.config import ConfigError, load_config, validate
+from torchmeg.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
+
+
+def _fails(capsys, argv, *must_contain):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    for s in must_contain:
+        assert s in err, err
+    return err
+
+
+@pytest.mark.parametrize("override, words", [
+    ("--training.stpes=5", ["training.stpes", "did you mean 'steps'"]),
+    ("--trainig.steps=5", ["trainig", "did you mean 'training'"]),
+    ("--training.steps=abc", ["training.steps", "'abc'", "integer"]),
+    ("--training.local_batch_size=0", ["training.local_batch_size", "0", ">= 1"]),
+    ("--training.mixed_precision=fp8", ["training.mixed_precision", "'fp8'", "fp32, bf16"]),
+    ("--lr_scheduler.decay_type=cosin", ["lr_scheduler.decay_type", "cosine"]),
+    ("--training.global_batch_size=12", ["training.global_batch_size", "12", "multiple"]),
+    ("--model.n_heads=7", ["model", "n_heads", "7"]),
+    ("--model.dimm=64", ["model.dimm", "did you mean 'dim'"]),
+    ("--model.name=lama", ["model.name", "'lama'", "llama"]),
+    ("--model.flavor=9B", ["model.flavor", "'9B'", "8B"]),
+    ("--data.dataset=/nonexistent/corpus", ["data.dataset", "/nonexistent/corpus", "preprocess_data"]),
+    ("--data.tokenizer=/nonexistent/tok.json", ["data.tokenizer", "/nonexistent/tok.json", "byte"]),
+    ("--data.seq_len=100000", ["data.seq_len", "100000", "max_seq_len"]),
+    ("--float8.enable=true", ["float8.enable", "not yet supported"]),
+    ("--optimizer.betas=[0.9]", ["optimizer.betas", "two numbers"]),
+    ("--data.weights=[1.0, 2.0]", ["data.weights", "one per"]),
+])
+def test_bad_override(capsys, override, words):
+    _fails(capsys, ["--config", RECIPE, override], *words)
+
+
+def test_bad_toml_names_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = 10\nlocal_batch_size = = 3\n")
+    err = _fails(capsys, ["--config", str(bad)], "bad.toml", "invalid TOML", "line 3")
+    assert "local_batch_size" not in err or "line 3" in err
+
+
+def test_unknown_section_in_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[trainng]\nsteps = 10\n")
+    _fails(capsys, ["--config", str(bad)], "[trainng]", "did you mean 'training'")
+
+
+def test_wrong_type_in_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[training]\nsteps = "ten"\n')
+    _fails(capsys, ["--config", str(bad)], "training.steps", "'ten'", "integer")
+
+
+def test_missing_recipe(capsys):
+    _fails(capsys, ["--config", "/nonexistent.toml"], "/nonexistent.toml", "no such file")
+
+
+def test_world_size_mismatch():
+    cfg = load_config(RECIPE, ["--parallelism.tensor_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1"])
+    with pytest.raises(ConfigError, match="world size is 2"):
+        validate(cfg, world_size=2)
+    cfg = load_config(RECIPE, ["--parallelism.tensor_parallel_degree=3"])
+    with pytest.raises(ConfigError, match="does not divide the world size 4"):
+        validate(cfg, world_size=4)
+
+
+def test_tp_must_divide_heads():
+    cfg = load_config(RECIPE, ["--parallelism.tensor_parallel_degree=3", "--parallelism.data_parallel_shard_degree=1"])
+    with pytest.raises(ConfigError, match="tensor_parallel_degree = 3: does not divide model.n_heads = 8"):
+        validate(cfg, world_size=3)
+
+
+def test_overrides_are_typed():
+    cfg = load_config(RECIPE, ["--compile.components=[\"model\"]", "--optimizer.lr", "1e-4", "--job.name=123",
+                               "--training.deterministic=true", "--model.n_layers=2",
+                               "--activation_checkpoint.selective_option=2"])
+    assert cfg.compile.components == ["model"] and cfg.optimizer.lr == 1e-4 and cfg.job.name == "123"
+    assert cfg.training.deterministic is True and cfg.model.overrides == {"n_layers": 2}
+    assert cfg.activation_checkpoint.selective_option == 2
+    validate(cfg, world_size=1)
+
+
+def test_cli_exit_code_and_no_traceback():
+    p = subprocess.run([sys.executable, "-m", "torchmeg.train", "--config", RECIPE, "--training.steps=-3"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln]
+    assert lines == [lines[0]] and "training.steps" in lines[0] and "-3" in lines[0], p.stderr
+    assert p.stdout == ""

@@ -1,0 +1,403 @@
+"""Recipe schema: typed dataclasses, TOML loading, CLI overrides and validation.
+
+The section and key names are the public contract (see RECIPES.md). Every bad input raises
+`ConfigError` with ONE line naming the key, the value and what is allowed; the CLI turns that
+into exit code 2 before any process group exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message is one line meant for the user."""
+
+
+def _f(default, *, choices=None, lo=None, hi=None, help=""):
+    meta = {"choices": choices, "lo": lo, "hi": hi, "help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    name: str = _f("debug_llama", help="run name; outputs go to <dump_folder>/<name>/")
+    dump_folder: str = _f("./outputs")
+    seed: int = _f(0, lo=0)
+
+
+@dataclass
+class Model:
+    name: str = _f("llama", help="registry key")
+    flavor: str = _f("debug")
+    # Any field of the flavor's args (dim, n_layers, ...) may be set in [model]; they land here
+    # and are checked against the model's own argument dataclass.
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class Data:
+    dataset: Union[str, list] = _f("python_stdlib")
+    weights: list = _f([])
+    tokenizer: str = _f("byte")
+    seq_len: int = _f(256, lo=2)
+    num_workers: int = _f(0, lo=0)
+    val_fraction: float = _f(0.005, lo=0.0, hi=0.5, help="held-out share of the samples")
+    cache_dir: str = _f("", help="where built-in datasets are cached; '' = $TORCHMEG_CACHE or ~/.cache/torchmeg")
+
+
+@dataclass
+class Training:
+    steps: int = _f(200, lo=1)
+    local_batch_size: int = _f(8, lo=1)
+    global_batch_size: int = _f(-1, lo=-1)
+    max_norm: float = _f(1.0, lo=0.0)
+    mixed_precision: str = _f("fp32", choices=["fp32", "bf16"])
+    device: str = _f("auto", choices=["auto", "cpu", "cuda"])
+    deterministic: bool = _f(False)
+    on_nonfinite: str = _f("skip", choices=["skip", "stop"])
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
+    lr: float = _f(3e-3, lo=0.0)
+    weight_decay: float = _f(0.1, lo=0.0)
+    betas: list = _f([0.9, 0.95])
+    eps: float = _f(1e-8, lo=0.0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(20, lo=0)
+    decay_type: str = _f("cosine", choices=["cosine", "linear", "constant"])
+    min_lr_ratio: float = _f(0.1, lo=0.0, hi=1.0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, lo=1)
+    data_parallel_shard_degree: int = _f(-1, lo=-1)
+    tensor_parallel_degree: int = _f(1, lo=1)
+    sequence_parallel: bool = _f(True)
+    loss_parallel: bool = _f(True)
+    pipeline_parallel_degree: int = _f(1, lo=1)
+    pipeline_parallel_schedule: str = _f(
+        "1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+    pipeline_parallel_microbatches: int = _f(-1, lo=-1)
+    pipeline_parallel_layers_per_stage: Union[int, list] = _f(-1)
+    context_parallel_degree: int = _f(1, lo=1)
+    expert_parallel_degree: int = _f(1, lo=1)
+    enable_async_tensor_parallel: bool = _f(False)
+    fsdp_reshard_after_forward: bool = _f(True)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", choices=["none", "full", "selective"])
+    selective_option: Union[str, int] = _f("op")
+
+
+@dataclass
+class Compile:
+    enable: bool = _f(False)
+    components: list = _f(["model", "loss"])
+
+
+@dataclass
+class Float8:
+    enable: bool = _f(False)
+    recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    emulate: Union[str, bool] = _f("auto")
+    enable_fsdp_float8_all_gather: bool = _f(False)
+    filter_fqns: list = _f(["output"])
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _f(False)
+    folder: str = _f("checkpoint")
+    interval: int = _f(100, lo=1)
+    keep_latest_k: int = _f(2, lo=0)
+    async_mode: str = _f("disabled", choices=["disabled", "async"])
+    load_step: int = _f(-1, lo=-1)
+    export_hf: bool = _f(False)
+
+
+@dataclass
+class Validation:
+    enable: bool = _f(False)
+    freq: int = _f(100, lo=1)
+    steps: int = _f(10, lo=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, lo=1)
+    enable_tensorboard: bool = _f(True)
+    jsonl: bool = _f(True)
+
+
+@dataclass
+class Profiling:
+    enable: bool = _f(False)
+    profile_freq: int = _f(100, lo=1)
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+
+    # Where the recipe came from (for relative paths and messages); not a recipe key.
+    source: str = field(default="<defaults>", repr=False)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.job.dump_folder, self.job.name)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for sec in _sections():
+            d = dataclasses.asdict(getattr(self, sec))
+            if sec == "model":
+                d.update(d.pop("overrides"))
+            out[sec] = d
+        return out
+
+
+def _sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config) if f.name != "source"]
+
+
+def _section_fields(sec: str) -> dict[str, dataclasses.Field]:
+    cls = type(getattr(Config(), sec))
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "overrides"}
+
+
+def _suggest(name: str, options) -> str:
+    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{m[0]}'?" if m else f"; allowed: {', '.join(sorted(options))}"
+
+
+# ---- typing ---------------------------------------------------------------------------------
+
+_HINTS: dict = {}
+
+
+def _hint(sec: str, key: str):
+    cls = type(getattr(Config(), sec))
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls][key]
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            list: "a list", dict: "a table"}.get(tp, str(tp))
+
+
+def coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against type `tp`; return it (ints widened to float where a float is expected)."""
+    options = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    for t in options:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+        if t is list and isinstance(value, list):
+            return value
+    raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+
+
+def parse_cli_value(key: str, text: str, tp) -> Any:
+    """Turn an override's text into a value of type `tp` (TOML syntax where it parses)."""
+    options = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    if bool in options and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare string such as a path or a name
+    fits = any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in options) \
+        or (float in options and isinstance(value, int) and not isinstance(value, bool))
+    if str in options and not fits:
+        value = text  # e.g. --job.name=123 stays the string "123"
+    return coerce(key, value, tp)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def _apply(cfg: Config, sec: str, key: str, value: Any, origin: str) -> None:
+    if sec not in _sections():
+        raise ConfigError(f"unknown section [{sec}] ({origin}){_suggest(sec, _sections())}")
+    section = getattr(cfg, sec)
+    fields = _section_fields(sec)
+    if key in fields:
+        setattr(section, key, coerce(f"{sec}.{key}", value, _hint(sec, key)))
+    elif sec == "model":
+        section.overrides[key] = value  # checked against the model's args in validate()
+    else:
+        raise ConfigError(f"unknown key '{sec}.{key}' ({origin}){_suggest(key, fields)}")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """`--section.key=value` / `--section.key value` pairs, and the remaining arguments."""
+    pairs, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            if "=" in a:
+                k, v = a[2:].split("=", 1)
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"override {a} has no value; write {a}=VALUE")
+                k, v = a[2:], argv[i + 1]
+                i += 1
+            pairs.append((k, v))
+        else:
+            rest.append(a)
+        i += 1
+    return pairs, rest
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides. Raises ConfigError with a one-line message."""
+    cfg = Config()
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path!r}: no such file; pass a path to a .toml recipe (see recipes/)")
+        cfg.source = path
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for sec, table in doc.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key '{sec}' must be a [section]{_suggest(sec, _sections())}")
+            for key, value in table.items():
+                _apply(cfg, sec, key, value, path)
+    pairs, rest = split_overrides(list(overrides or []))
+    if rest:
+        raise ConfigError(f"unrecognised argument {rest[0]!r}; overrides look like --section.key=value")
+    for dotted, text in pairs:
+        sec, _, key = dotted.partition(".")
+        if sec not in _sections():
+            raise ConfigError(f"unknown section in --{dotted}{_suggest(sec, _sections())}")
+        if key in _section_fields(sec):
+            value = parse_cli_value(f"{sec}.{key}", text, _hint(sec, key))
+        elif sec == "model":  # typed later against the model's own args dataclass
+            if text.lower() in ("true", "false"):
+                value = text.lower() == "true"
+            else:
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError:
+                    value = text
+        else:
+            raise ConfigError(f"unknown key '{dotted}' (command line){_suggest(key, _section_fields(sec))}")
+        _apply(cfg, sec, key, value, "command line")
+    return cfg
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def _check_field_ranges(cfg: Config) -> None:
+    for sec in _sections():
+        section = getattr(cfg, sec)
+        for name, f in _section_fields(sec).items():
+            v, m = getattr(section, name), f.metadata
+            key = f"{sec}.{name}"
+            if m.get("choices") and v not in m["choices"]:
+                raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(map(str, m['choices']))}")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if m.get("lo") is not None and v < m["lo"]:
+                    raise ConfigError(f"{key} = {v!r}: must be >= {m['lo']}")
+                if m.get("hi") is not None and v > m["hi"]:
+                    raise ConfigError(f"{key} = {v!r}: must be <= {m['hi']}")
+
+
+def _check_special(cfg: Config) -> None:
+    p, t = cfg.parallelism, cfg.training
+    if p.data_parallel_shard_degree == 0:
+        raise ConfigError("parallelism.data_parallel_shard_degree = 0: use -1 (fill) or a degree >= 1")
+    if len(cfg.optimizer.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas = {cfg.optimizer.betas!r}: must be two numbers in [0, 1)")
+    if t.global_batch_size == 0:
+        raise ConfigError("training.global_batch_size = 0: use -1 (= local_batch_size x dp) or a positive multiple")
+    sel = cfg.activation_checkpoint.selective_option
+    if isinstance(sel, str) and sel != "op":
+        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
+    if isinstance(sel, int) and sel < 1:
+        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
+    em = cfg.float8.emulate
+    if isinstance(em, str) and em != "auto":
+        raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
+    if cfg.lr_scheduler.warmup_steps > t.steps:
+        raise ConfigError(f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps}: exceeds training.steps = {t.steps}")
+    comps = cfg.compile.components
+    bad = [c for c in comps if c not in ("model", "loss")]
+    if bad:
+        raise ConfigError(f"compile.components = {comps!r}: unknown component {bad[0]!r}; allowed: model, loss")
+
+
+def _check_data(cfg: Config) -> None:
+    from torchmeg.data.sources import check_data_config
+    check_data_config(cfg)
+
+
+def validate(cfg: Config, world_size: int | None = None) -> "Config":
+    """Check everything that can be checked before a process group exists.
+
+    world_size defaults to $WORLD_SIZE (set by torchrun) or 1.
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_field_ranges(cfg)
+    _check_special(cfg)
+    from torchmeg.models import check_model_config
+    args = check_model_config(cfg)
+    from torchmeg.parallel.dims import ParallelDims
+    dims = ParallelDims.from_config(cfg, world_size)
+    dims.check_model(args, cfg)
+    t = cfg.training
+    unit = t.local_batch_size * dims.dp
+    if t.global_batch_size != -1 and t.global_batch_size % unit:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size}: must be a multiple of local_batch_size x dp "
+            f"= {t.local_batch_size} x {dims.dp} = {unit} (or -1)")
+    _check_data(cfg)
+    from torchmeg.features import check_supported
+    check_supported(cfg, dims)
+    return cfg

@@ -1,0 +1,25 @@
+"""Data: tokenizers, indexed stores, packed/blended datasets, the stateful loader."""
+from __future__ import annotations
+
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from torchmeg.data.dataset import StepSampler, TokenDataset
+from torchmeg.data.sources import dataset_list, resolve
+from torchmeg.data.store import Store
+from torchmeg.data.tokenizer import build_tokenizer  # noqa: F401
+
+
+def open_stores(cfg, tokenizer) -> list[Store]:
+    return [Store(resolve(n, tokenizer, cfg)) for n in dataset_list(cfg)]
+
+
+def build_dataset(cfg, stores, split: str) -> TokenDataset:
+    return TokenDataset(stores, cfg.data.weights, cfg.data.seq_len, cfg.job.seed, split, cfg.data.val_fraction)
+
+
+def build_loader(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int,
+                 num_workers: int = 0) -> StatefulDataLoader:
+    """Batches of this dp rank, in step order; its state_dict() can be checkpointed."""
+    sampler = StepSampler(local_batch, dp, dp_rank, accum, start_step, steps)
+    return StatefulDataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
+                              drop_last=True, persistent_workers=num_workers > 0)

@@ -1,0 +1,92 @@
+"""Tokenizers: a built-in byte-level one, and any HuggingFace `tokenizer.json` via `tokenizers`."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; 256 is end-of-document. Needs no file and no download."""
+
+    name = "byte"
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+
+class HFTokenizer:
+    """A `tokenizer.json` (BPE, WordPiece, ...) loaded with the `tokenizers` library."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+        self.path = path
+        self.tok = Tokenizer.from_file(path)
+        self.name = os.path.basename(path)
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        eos = None
+        for cand in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "[SEP]"):
+            eos = self.tok.token_to_id(cand)
+            if eos is not None:
+                break
+        # No end-of-document token in the vocab: reserve one id past it.
+        if eos is None:
+            eos = self.vocab_size
+            self.vocab_size += 1
+        self.eos_id = eos
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_np(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids if int(i) < self.tok.get_vocab_size()])
+
+    def fingerprint(self) -> str:
+        import hashlib
+        with open(self.path, "rb") as fh:
+            return "hf-" + hashlib.sha1(fh.read()).hexdigest()[:16]
+
+
+def build_tokenizer(spec: str):
+    """`"byte"` or a path to a tokenizer.json."""
+    from torchmeg.config import ConfigError
+    if spec == "byte":
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise ConfigError(f"data.tokenizer = {spec!r}: no such file; use \"byte\" or a path to a tokenizer.json "
+                          f"(tools/preprocess_data.py --train-tokenizer makes one)")
+    try:
+        return HFTokenizer(spec)
+    except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+        raise ConfigError(f"data.tokenizer = {spec!r}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+def train_bpe(texts, vocab_size: int, out_path: str) -> HFTokenizer:
+    """Train a byte-level BPE tokenizer.json on an iterable of texts with the `tokenizers` library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    tok.save(out_path)
+    return HFTokenizer(out_path)

@@ -1,0 +1,40 @@
+"""Recipe keys that parse and validate but whose feature has not landed yet.
+
+Each entry is (key, predicate on the config, what to do instead). Remove a line when its
+feature lands; the error stays one clear line naming the key.
+"""
+from __future__ import annotations
+
+_PENDING = [
+    ("parallelism.pipeline_parallel_degree", lambda c: c.parallelism.pipeline_parallel_degree > 1, "use 1"),
+    ("parallelism.context_parallel_degree", lambda c: c.parallelism.context_parallel_degree > 1, "use 1"),
+    ("parallelism.expert_parallel_degree", lambda c: c.parallelism.expert_parallel_degree > 1, "use 1"),
+    ("float8.enable", lambda c: c.float8.enable, "set it to false"),
+    ("checkpoint.enable", lambda c: c.checkpoint.enable, "set it to false"),
+    ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf, "set it to false"),
+]
+
+
+def _value(cfg, key):
+    sec, name = key.split(".")
+    return getattr(getattr(cfg, sec), name)
+
+
+def check_supported(cfg, dims) -> None:
+    from torchmeg.config import ConfigError
+    for key, pending, instead in _PENDING:
+        if pending(cfg):
+            raise ConfigError(f"{key} = {_value(cfg, key)!r}: not yet supported in this version of torchmeg; {instead}")
+    if cfg.parallelism.enable_async_tensor_parallel and _device_type(cfg) != "cuda":
+        raise ConfigError("parallelism.enable_async_tensor_parallel = true: CUDA only (symmetric-memory "
+                          "collectives); set it to false on CPU")
+
+
+def _device_type(cfg) -> str:
+    import torch
+    if cfg.training.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.training.device == "cuda" and not torch.cuda.is_available():
+        from torchmeg.config import ConfigError
+        raise ConfigError("training.device = 'cuda': no CUDA device is visible; use \"auto\" or \"cpu\"")
+    return cfg.training.device

@@ -1,0 +1,143 @@
+"""Honest training metrics: throughput, TFLOP/s, MFU against a named peak, real peak memory.
+
+Peak FLOP/s: a table of dense tensor-core peaks for known GPUs; anything else (every CPU) is
+measured once by a short matmul probe and cached, so MFU is never against a made-up number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import time
+
+import torch
+
+# Dense (no sparsity) bf16 peak FLOP/s from the vendors' data sheets; fp32 training uses TF32,
+# half of these on Ampere/Hopper/Blackwell.
+GPU_PEAK_BF16 = [
+    ("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("H800", 989.4e12),
+    ("B200", 2250e12), ("GB200", 2500e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362.1e12),
+    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12),
+    ("MI300X", 1307.4e12), ("MI250X", 383e12),
+]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
+    """Best-of achieved FLOP/s of an n x n matmul in `dtype` with the current thread count."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        sync()
+        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str) -> tuple[float, str]:
+    """(peak FLOP/s per rank, where the number came from)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, bf16 in GPU_PEAK_BF16:
+            if key in name:
+                peak = bf16 if dtype == torch.bfloat16 else bf16 / 2
+                return peak, f"{name} datasheet {'bf16' if dtype == torch.bfloat16 else 'tf32'} dense"
+        peak = measure_matmul_flops(dtype, "cuda", n=8192, seconds=1.0)
+        return peak, f"{name} measured matmul probe"
+    threads = torch.get_num_threads()
+    key = f"{_cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
+    path = os.path.join(cache_dir, "peak_flops.json")
+    try:
+        with open(path) as fh:
+            table = json.load(fh)
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure_matmul_flops(dtype, "cpu")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(table, fh, indent=1)
+        os.replace(tmp, path)
+    dt = str(dtype).replace("torch.", "")
+    return table[key], f"measured {dt} matmul probe, {threads} thread{'s' * (threads > 1)}, cached in {path}"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory of this rank: CUDA allocator peak on GPU, the process high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2 ** 30
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 2 ** 30
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (2 ** 30 if platform.system() == "Darwin" else 2 ** 20)
+
+
+class MetricsLogger:
+    """One line per logged step to the console, metrics.jsonl and TensorBoard (rank 0 writes)."""
+
+    FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib", "elapsed_ms")
+
+    def __init__(self, cfg, rank: int, append: bool = False):
+        self.rank, self.cfg = rank, cfg
+        self.jsonl = self.tb = None
+        if rank != 0:
+            return
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        if cfg.metrics.jsonl:
+            self.jsonl = open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a" if append else "w")
+        if cfg.metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(cfg.run_dir, "tb"))
+
+    def log(self, row: dict, line: str | None = None) -> None:
+        if self.rank != 0:
+            return
+        if line:
+            print(line, flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+        if self.tb:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+
+def format_line(r: dict) -> str:
+    s = (f"step {r['step']:>5} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
+         f"tok/s {r['tokens_per_sec']:,.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.1f}% | "
+         f"mem {r['memory_gib']:.2f} GiB | {r['elapsed_ms']:.0f} ms")
+    if "val_loss" in r:
+        s += f" | val_loss {r['val_loss']:.4f}"
+    if r.get("skipped"):
+        s += " | SKIPPED (non-finite)"
+    return s

@@ -1,0 +1,212 @@
+"""Model registry: name -> (args dataclass, class, flavors, TP plan, pipeline split).
+
+Everything a parallelism needs to know about a model is *data* here; the model files stay plain
+single-device PyTorch. A user model plugs in with `register(ModelSpec(...))`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from torchmeg.models.gpt2 import GPT2, GPT2Args
+from torchmeg.models.llama import Llama, LlamaArgs
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    cls: type
+    args_cls: type
+    flavors: dict[str, dict]
+    # Tensor-parallel plan as data: (module FQN pattern, role); roles are explained in
+    # torchmeg.parallel.tensor. Patterns use '*' for one path component.
+    tp_plan: list[tuple[str, str]] = field(default_factory=list)
+    # Pipeline split: which top-level modules live on the first / last stage; `layers` is a
+    # ModuleDict whose entries are divided between stages.
+    pp_first: tuple[str, ...] = ("tok_embeddings",)
+    pp_last: tuple[str, ...] = ("norm", "output")
+    layers_attr: str = "layers"
+
+
+# Shared shape of the decoder plans: vocab-sharded embedding, column-parallel q/k/v and up
+# projections, row-parallel out/down projections (Megatron-LM, Shoeybi et al. 2019, sec. 3),
+# sequence-parallel norms (Korthikanti et al. 2022) and a vocab-parallel output.
+_DECODER_TP = [
+    ("layers.*.attention_norm", "sp_norm"),
+    ("layers.*.attention", "sp_input"),
+    ("layers.*.attention.wq", "colwise"),
+    ("layers.*.attention.wk", "colwise"),
+    ("layers.*.attention.wv", "colwise"),
+    ("layers.*.attention.wo", "rowwise"),
+    ("layers.*.ffn_norm", "sp_norm"),
+    ("layers.*.feed_forward", "sp_input"),
+    ("layers.*.feed_forward.w1", "colwise"),
+    ("layers.*.feed_forward.w2", "rowwise"),
+    ("layers.*.feed_forward.w3", "colwise"),
+    ("norm", "sp_norm"),
+    ("output", "output"),
+]
+
+_LLAMA3_VOCAB = 128256
+LLAMA_FLAVORS = {
+    "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, rope_theta=10000.0,
+                  max_seq_len=2048),
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+               vocab_size=_LLAMA3_VOCAB, tie_embeddings=True, max_seq_len=131072),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+               vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                 vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+}
+
+_GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT does
+GPT2_FLAVORS = {
+    "debug": dict(dim=128, n_layers=4, n_heads=4, max_seq_len=1024),
+    "124M": dict(dim=768, n_layers=12, n_heads=12, vocab_size=_GPT2_VOCAB),
+    "350M": dict(dim=1024, n_layers=24, n_heads=16, vocab_size=_GPT2_VOCAB),
+    "774M": dict(dim=1280, n_layers=36, n_heads=20, vocab_size=_GPT2_VOCAB),
+    "1.5B": dict(dim=1600, n_layers=48, n_heads=25, vocab_size=_GPT2_VOCAB),
+}
+
+REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+register(ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS,
+                   tp_plan=[("tok_embeddings", "embedding")] + _DECODER_TP))
+# GPT-2 adds learned positions to the embedding output outside any module, so its embedding
+# stays replicated and the first block re-shards the sequence.
+register(ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS,
+                   tp_plan=[("tok_embeddings", "embedding_replicate"), ("layers.0", "sp_enter")] + _DECODER_TP,
+                   pp_first=("tok_embeddings", "pos_embeddings")))
+
+
+def get_spec(name: str) -> ModelSpec:
+    if name not in REGISTRY:
+        from torchmeg.config import ConfigError
+        m = difflib.get_close_matches(name, list(REGISTRY), n=1)
+        hint = f"did you mean '{m[0]}'?" if m else f"allowed: {', '.join(sorted(REGISTRY))}"
+        raise ConfigError(f"model.name = {name!r}: unknown model; {hint}")
+    return REGISTRY[name]
+
+
+def pad_vocab(n: int, multiple: int = 64) -> int:
+    """Tokenizer vocab rounded up so the embedding splits evenly under TP and tiles well on GPUs."""
+    return (n + multiple - 1) // multiple * multiple
+
+
+def model_args(cfg, tokenizer_vocab: int | None = None):
+    """The flavor's args with [model] overrides applied and checked; vocab from the tokenizer if -1."""
+    from torchmeg.config import ConfigError, coerce
+    spec = get_spec(cfg.model.name)
+    if cfg.model.flavor not in spec.flavors:
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: unknown flavor of {spec.name}; "
+                          f"allowed: {', '.join(spec.flavors)}")
+    kw = dict(spec.flavors[cfg.model.flavor])
+    hints = {f.name: f.type for f in dataclasses.fields(spec.args_cls)}
+    defaults = spec.args_cls()
+    for key, value in cfg.model.overrides.items():
+        if key not in hints:
+            m = difflib.get_close_matches(key, list(hints) + ["name", "flavor"], n=1)
+            hint = f"did you mean '{m[0]}'?" if m else f"fields of {spec.name}: {', '.join(hints)}"
+            raise ConfigError(f"unknown key 'model.{key}'; {hint}")
+        ref = getattr(defaults, key)
+        tp = type(ref) if ref is not None else (int if key == "n_kv_heads" else float)
+        kw[key] = coerce(f"model.{key}", value, tp)
+    args = spec.args_cls(**kw)
+    if args.vocab_size == -1 and tokenizer_vocab is not None:
+        args.vocab_size = pad_vocab(tokenizer_vocab)
+    return args
+
+
+def check_model_config(cfg):
+    """Validate the model section; returns args (vocab resolved from the tokenizer)."""
+    from torchmeg.config import ConfigError
+    from torchmeg.data.tokenizer import build_tokenizer
+    tok = build_tokenizer(cfg.data.tokenizer)
+    args = model_args(cfg, tok.vocab_size)
+    for key in ("dim", "n_layers", "n_heads"):
+        if getattr(args, key) < 1:
+            raise ConfigError(f"model.{key} = {getattr(args, key)}: must be >= 1")
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.dim = {args.dim}: not divisible by model.n_heads = {args.n_heads}")
+    if args.n_heads % args.kv_heads:
+        raise ConfigError(f"model.n_kv_heads = {args.kv_heads}: must divide model.n_heads = {args.n_heads}")
+    if hasattr(args, "rope_theta") and args.head_dim % 2:
+        raise ConfigError(f"model.dim / model.n_heads = {args.head_dim}: RoPE needs an even head dim")
+    if args.vocab_size < tok.vocab_size:
+        raise ConfigError(f"model.vocab_size = {args.vocab_size}: smaller than the tokenizer's "
+                          f"{tok.vocab_size} tokens; raise it or use -1 (= tokenizer size)")
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ConfigError(f"data.seq_len = {cfg.data.seq_len}: exceeds model.max_seq_len = {args.max_seq_len}")
+    return args
+
+
+def build_model(cfg, tokenizer_vocab: int, device: str | torch.device = "meta") -> nn.Module:
+    spec = get_spec(cfg.model.name)
+    with torch.device(device):
+        return spec.cls(model_args(cfg, tokenizer_vocab))
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 63)
+
+
+def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> None:
+    """Initialise every parameter from (seed, FQN) alone, so any layout gets identical weights.
+
+    Each full parameter is drawn on the CPU with its own generator and `model.param_init`; `shard`
+    (given by the parallel code) maps (param, full tensor) -> this rank's local piece. Tied
+    parameters are initialised once, under their first name.
+    """
+    seen = set()
+    with torch.no_grad():
+        for fqn, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            full = torch.empty(p.shape, dtype=torch.float32)
+            model.param_init(fqn, full, torch.Generator().manual_seed(param_seed(seed, fqn)))
+            local = shard(p, full) if shard is not None else full
+            target = p.to_local() if hasattr(p, "to_local") else p
+            target.copy_(local.to(dtype=target.dtype))
+        if hasattr(model, "init_buffers"):
+            model.init_buffers()
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Global parameter count (DTensor numel is global); tied weights counted once."""
+    seen, n = set(), 0
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in emb:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
+    """Training FLOPs per token: 6 x matmul weights + 12 x layers x heads x head_dim x seq_len.
+
+    The first term is forward (2N) + backward (4N) over every nn.Linear weight (embedding lookups
+    are not matmuls; a tied output counts as a matmul); the second is QK^T and AV over the full
+    (non-causal) score matrix, the PaLM convention (Chowdhery et al. 2022, appendix B).
+    """
+    seen, n = set(), 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            n += m.weight.numel()
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len

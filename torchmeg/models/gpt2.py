@@ -1,0 +1,115 @@
+"""GPT-2 (Radford et al. 2019): learned positions, pre-LayerNorm, GELU MLP, tied output.
+
+Architecture only. Names mirror llama.py (wq/wk/wv/wo, w1/w2) so one TP plan shape serves both.
+Legend: B batch, L sequence, E model dim, D head dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPT2Args:
+    dim: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    vocab_size: int = -1            # -1: taken from the tokenizer
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    bias: bool = True
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return 4 * self.dim
+
+
+class Attention(nn.Module):
+    def __init__(self, a: GPT2Args):
+        super().__init__()
+        self.head_dim = a.head_dim
+        self.wq = nn.Linear(a.dim, a.dim, bias=a.bias)
+        self.wk = nn.Linear(a.dim, a.dim, bias=a.bias)
+        self.wv = nn.Linear(a.dim, a.dim, bias=a.bias)
+        self.wo = nn.Linear(a.dim, a.dim, bias=a.bias)
+
+    def forward(self, x_BLE: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x_BLE.shape
+        q, k, v = (w(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: GPT2Args):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_hidden, bias=a.bias)
+        self.w2 = nn.Linear(a.ffn_hidden, a.dim, bias=a.bias)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, a: GPT2Args):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(a.dim, eps=a.norm_eps, bias=a.bias)
+        self.attention = Attention(a)
+        self.ffn_norm = nn.LayerNorm(a.dim, eps=a.norm_eps, bias=a.bias)
+        self.feed_forward = MLP(a)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT2(nn.Module):
+    def __init__(self, args: GPT2Args):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def init_buffers(self) -> None:
+        pass
+
+    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
+        a = self.args
+        if fqn.endswith("bias"):
+            t.zero_()
+        elif "norm" in fqn:
+            t.fill_(1.0)
+        elif fqn.endswith(("wo.weight", "w2.weight")):
+            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
+        else:
+            t.normal_(0.0, a.init_std, generator=gen)
+
+    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            pos = torch.arange(tokens_BL.shape[1], device=tokens_BL.device)
+            h = self.tok_embeddings(tokens_BL) + self.pos_embeddings(pos)
+        else:
+            h = tokens_BL
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

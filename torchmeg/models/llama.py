@@ -1,0 +1,164 @@
+"""Llama-3 style decoder: GQA, RoPE (theta), RMSNorm, SwiGLU, optional tied output.
+
+Architecture only: no parallelism here. Shape legend for names: B batch, L sequence length,
+H query heads, K kv heads, D head dim, E model dim, V vocab.
+Module names follow Meta's checkpoints (tok_embeddings, layers.N.attention.wq, ...) so that TP
+plans, pipeline splits and checkpoints address them by FQN.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None
+    vocab_size: int = -1            # -1: taken from the tokenizer
+    multiple_of: int = 256          # SwiGLU hidden size rounding
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of RoFormer eq. (34): angle(pos, i) = pos * theta^(-2i/D), shape [max_len, D/2]."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
+    ang = torch.outer(torch.arange(max_len, dtype=torch.float64, device=device), inv)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does."""
+    B, L, H, D = x_BLHD.shape
+    x = x_BLHD.float().reshape(B, L, H, D // 2, 2)
+    c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
+    out = torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c), dim=-1)
+    return out.reshape(B, L, H, D).type_as(x_BLHD)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.head_dim = a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x_BLE.shape
+        # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
+        q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin)
+        k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin)
+        v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
+        rep = q_BLHD.shape[2] // k_BLKD.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
+        if rep > 1:  # GQA: each kv head serves `rep` query heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        o_BHLD = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020, eq. 6): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a.dim, a.ffn_hidden)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer number keeps FQNs stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
+        if self.rope_cos.device.type != "meta":
+            self.init_buffers()
+
+    def init_buffers(self) -> None:
+        a = self.args
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
+        """Initialise one full (unsharded) parameter in place; see torchmeg.models.init_weights."""
+        a = self.args
+        if fqn.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif fqn.endswith(("wo.weight", "w2.weight")):
+            # GPT-2/Megatron scaled init of residual projections: std / sqrt(2 * n_layers).
+            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
+        elif fqn == "output.weight":
+            t.normal_(0.0, a.dim ** -0.5, generator=gen)
+        else:
+            t.normal_(0.0, a.init_std, generator=gen)
+
+    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,1 @@
+from torchmeg.parallel.dims import ParallelDims  # noqa: F401

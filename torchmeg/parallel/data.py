@@ -1,0 +1,45 @@
+"""Data parallelism: FSDP2 (ZeRO), HSDP and DDP, with mixed precision.
+
+ZeRO mapping (Rajbhandari et al. 2020): FSDP2 always shards optimizer state and gradients
+(ZeRO-2); `fsdp_reshard_after_forward = true` also frees the gathered parameters after each
+block's forward (ZeRO-3), `false` keeps them until backward (ZeRO-2 memory, fewer all-gathers).
+HSDP = replicate over dp_replicate, shard over dp_shard (x cp). DDP when only dp_replicate > 1.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    if mixed_precision == "bf16":
+        # bf16 compute, fp32 gradient reduction: the sum of many bf16 shards loses bits.
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP wraps one by one: `model.layers` if present."""
+    layers = getattr(model, "layers", None)
+    if isinstance(layers, nn.ModuleDict):
+        return list(layers.values())
+    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        return list(layers)
+    return []
+
+
+def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forward: bool) -> nn.Module:
+    """fully_shard each block, then the root (embeddings, final norm, output)."""
+    kw = dict(mesh=mesh, mp_policy=mp_policy(mixed_precision))
+    for block in blocks(model):
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    # The root's parameters are needed right at the start of backward: keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kw)
+    return model
+
+
+def apply_ddp(model: nn.Module, mesh, mixed_precision: str) -> nn.Module:
+    """Pure replication with gradient all-reduce: FSDP2 over a (dp_replicate, 1) mesh, i.e.
+    parameters replicated on every rank and gradients averaged, composable with TP DTensors."""
+    return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward=False)

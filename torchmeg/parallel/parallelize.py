@@ -1,0 +1,62 @@
+"""THE pass: a plain single-device model -> a distributed one, in a fixed order.
+
+  1. tensor / sequence parallel   DTensor plans need the un-wrapped modules
+  2. context, expert parallel     (later issues)
+  3. float8                       after TP so Float8 TP styles apply, before compile/FSDP
+  4. activation recompute         wraps blocks
+  5. torch.compile per block      after recompute wrapping, before FSDP so its hooks stay outside
+  6. data parallel                FSDP2 per block then root, HSDP or DDP; mixed precision
+Each step is a no-op when its degree is 1 / its feature is off. Pipeline parallelism splits the
+model into stages first; each stage then goes through this pass.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from torchmeg.parallel.data import apply_ddp, apply_fsdp
+from torchmeg.parallel.dims import ParallelDims
+from torchmeg.parallel.tensor import apply_tp
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None) -> nn.Module:
+    """Apply every enabled parallelism to `model` in place and return it.
+
+    `mesh` defaults to `dims.build_mesh(...)`; `tp_plan` defaults to the registry entry of
+    `cfg.model.name` (a list of (FQN pattern, role); see torchmeg.parallel.tensor).
+    """
+    if mesh is None:
+        mesh = dims.build_mesh(_device_type(model))
+    p = cfg.parallelism
+    if dims.tp > 1:
+        if tp_plan is None:
+            from torchmeg.models import get_spec
+            tp_plan = get_spec(cfg.model.name).tp_plan
+        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel)
+        if p.enable_async_tensor_parallel:
+            _enable_async_tp(mesh["tp"])
+    if cfg.activation_checkpoint.mode != "none":
+        from torchmeg.recompute import apply_recompute
+        apply_recompute(model, cfg.activation_checkpoint)
+    if cfg.compile.enable and "model" in cfg.compile.components:
+        from torchmeg.compile import compile_blocks
+        compile_blocks(model, tp=dims.tp > 1)
+    if dims.fsdp > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+        apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, p.fsdp_reshard_after_forward)
+    elif dims.dp_replicate > 1:
+        apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision)
+    return model
+
+
+def _device_type(model: nn.Module) -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _enable_async_tp(tp_mesh) -> None:
+    """Inductor's micro-pipelined TP: overlaps the TP all-gather/reduce-scatter with matmuls
+    (CUDA only: needs symmetric memory). Validation refuses it elsewhere."""
+    import torch._inductor.config as inductor_config
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    inductor_config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

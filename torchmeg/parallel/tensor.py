@@ -1,0 +1,109 @@
+"""Tensor and sequence parallelism from a plan given as data.
+
+A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
+  embedding            vocab-sharded nn.Embedding; output sequence-sharded (SP) or replicated
+  embedding_replicate  vocab-sharded nn.Embedding with a replicated output (e.g. positions are
+                       added after it)
+  sp_enter             a module whose replicated input should become sequence-sharded (SP only)
+  sp_norm              a norm run on sequence shards (SP only; Korthikanti et al. 2022, sec. 4.2.2)
+  sp_input             a module (attention, MLP) whose first input is sequence-sharded and must be
+                       all-gathered before its column-parallel projections (SP only)
+  colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
+  output               column-parallel LM head: vocab-sharded logits for loss_parallel, else gathered
+"""
+from __future__ import annotations
+
+import inspect
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
+
+ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_input", "colwise", "rowwise", "output")
+
+
+def _n_positional(module: nn.Module) -> int:
+    sig = inspect.signature(module.forward)
+    return sum(1 for p in sig.parameters.values()
+               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool):
+    """The DTensor ParallelStyle for a role, or None where the role is a no-op in this setting."""
+    seq = Shard(1) if sp else Replicate()
+    if role == "embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if role == "embedding_replicate":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if role == "colwise":
+        return ColwiseParallel()
+    if role == "rowwise":
+        return RowwiseParallel(output_layouts=seq)
+    if role == "output":
+        return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if not sp:
+        return None
+    if role == "sp_norm":
+        return SequenceParallel()
+    rest = (None,) * (_n_positional(module) - 1)
+    if role == "sp_input":
+        return PrepareModuleInput(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
+    if role == "sp_enter":
+        return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest)
+    raise ValueError(f"unknown TP role {role!r}; known roles: {', '.join(ROLES)}")
+
+
+def _matches(pattern: str, fqn: str) -> bool:
+    p, f = pattern.split("."), fqn.split(".")
+    return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))
+
+
+def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool) -> dict:
+    """Pattern plan -> {module FQN: ParallelStyle} for the modules this (stage) model has."""
+    out = {}
+    for pattern, role in plan:
+        if role not in ROLES:
+            raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}")
+        for fqn, mod in model.named_modules():
+            if fqn and mod is not None and _matches(pattern, fqn):
+                style = style_for(role, mod, sp, loss_parallel)
+                if style is not None:
+                    out[fqn] = style
+    return out
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    first, pairs = {}, []
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            fqn = f"{mname}.{pname}" if mname else pname
+            if id(p) in first:
+                pairs.append((first[id(p)], fqn))
+            else:
+                first[id(p)] = fqn
+    return pairs
+
+
+def _get(model, fqn):
+    mod, _, name = fqn.rpartition(".")
+    return model.get_submodule(mod), name
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool) -> nn.Module:
+    """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied."""
+    tied = _tied_pairs(model)
+    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel))
+    for src, dst in tied:
+        # parallelize_module replaces each module's parameter separately; re-tie when both sides
+        # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
+        sm, sn = _get(model, src)
+        dm, dn = _get(model, dst)
+        a, b = getattr(sm, sn), getattr(dm, dn)
+        if a is not b:
+            if getattr(a, "placements", None) != getattr(b, "placements", None):
+                raise ValueError(f"tied parameters {src} and {dst} got different TP shardings; untie them or "
+                                 f"give both the same plan role")
+            setattr(dm, dn, a)
+    return model

@@ -1,0 +1,57 @@
+"""Activation recompute (Chen et al. 2016; selective: Korthikanti et al. 2022).
+
+full          every block's activations are recomputed in backward
+selective N   every Nth block is recomputed in full
+selective op  per-op: matmul and attention outputs are saved, cheap pointwise ops recomputed
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from torchmeg.parallel.data import blocks
+
+
+def _save_ops() -> set:
+    """Ops whose outputs are worth keeping: the expensive ones (matmuls, attention on every
+    backend this torch has) and collectives (re-running them costs communication)."""
+    aten = torch.ops.aten
+    names = ["mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_cudnn_attention", "_scaled_mm"]
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    c10d = getattr(torch.ops, "_c10d_functional", None)
+    if c10d is not None and hasattr(c10d, "reduce_scatter_tensor"):
+        ops.add(c10d.reduce_scatter_tensor.default)
+    return ops
+
+
+def _op_policy(save_ops, ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _wrap(block: nn.Module, selective_op: bool) -> nn.Module:
+    if selective_op:
+        ops = _save_ops()
+        return checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts,
+                                                            partial(_op_policy, ops)),
+                                  preserve_rng_state=False)
+    return checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_recompute(model: nn.Module, ac_cfg) -> None:
+    layers = getattr(model, "layers", None)
+    if not blocks(model):
+        raise ValueError("activation recompute needs the model's blocks in `model.layers`")
+    every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
+    selective_op = ac_cfg.mode == "selective" and ac_cfg.selective_option == "op"
+    counter = defaultdict(int)
+    for name, block in list(layers.named_children()):
+        counter["n"] += 1
+        if counter["n"] % every == 0:
+            layers.register_module(name, _wrap(block, selective_op))

@@ -1,0 +1,295 @@
+"""`python -m torchmeg.train --config recipes/X.toml [--section.key=value ...]` (or under torchrun).
+
+Builds everything from the recipe and runs the loop. Bad recipes exit 2 with one line, before
+any process group exists.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchmeg import __version__
+from torchmeg.config import Config, ConfigError, load_config, validate
+
+
+# Known, harmless deprecation notices from torch/torchdata internals; they would bury the log.
+warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+
+def parse_args(argv: list[str]) -> Config:
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-h", "--help"):
+            print(__doc__.strip())
+            raise SystemExit(0)
+        if a == "--config" or a.startswith("--config="):
+            if "=" in a:
+                path = a.split("=", 1)[1]
+            elif i + 1 < len(argv):
+                path, i = argv[i + 1], i + 1
+            else:
+                raise ConfigError("--config needs a path to a .toml recipe")
+        else:
+            rest.append(a)
+        i += 1
+    return load_config(path, rest)
+
+
+def pick_device(cfg) -> torch.device:
+    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Always a process group (a world of 1 too), so one code path serves every layout."""
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHMEG_PG_TIMEOUT", "300")))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=timeout, **kw)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def _scalar(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        from torchmeg.data import build_dataset, build_loader, build_tokenizer, open_stores
+        from torchmeg.metrics import MetricsLogger, peak_flops
+        from torchmeg.models import build_model, count_params, flops_per_token, get_spec, init_weights
+        from torchmeg.optim import build_lr_scheduler, build_optimizer
+        from torchmeg.parallel import ParallelDims
+        from torchmeg.parallel.parallelize import parallelize
+
+        self.cfg = cfg
+        self.device = pick_device(cfg)
+        init_distributed(self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if cfg.training.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(cfg.job.seed)
+
+        self.dims = dims = ParallelDims.from_config(cfg, self.world)
+        self.mesh = mesh = dims.build_mesh(self.device.type)
+        self.dp_rank = mesh["dp"].get_local_rank()
+        self.loss_group = mesh["dp_cp"].get_group()
+        t = cfg.training
+        self.accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+        self.global_batch = t.local_batch_size * dims.dp * self.accum
+
+        # Data: one builder per node prepares caches; the rest wait, then every rank opens them.
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            open_stores(cfg, self.tokenizer)
+        dist.barrier()
+        stores = open_stores(cfg, self.tokenizer)
+        self.train_set = build_dataset(cfg, stores, "train")
+        self.val_set = build_dataset(cfg, stores, "val") if cfg.validation.enable else None
+        self.start_step = 0
+        self.loader = build_loader(self.train_set, t.local_batch_size, dims.dp, self.dp_rank, self.accum,
+                                   self.start_step, t.steps, cfg.data.num_workers)
+
+        # Model: built on meta, parallelized, then materialised and initialised from (seed, FQN).
+        self.spec = get_spec(cfg.model.name)
+        model = build_model(cfg, self.tokenizer.vocab_size, "meta")
+        self.args = model.args
+        self.n_params = count_params(model)
+        self.n_params_dense = count_params(model, exclude_embeddings=True)
+        self.flops_per_token = flops_per_token(model, model.args, cfg.data.seq_len)
+        model = parallelize(model, dims, cfg, mesh=mesh)
+        model.to_empty(device=self.device)
+        init_weights(model, cfg.job.seed, shard=_local_shard)
+        self.model = model
+        self.params = [p for p in model.parameters()]
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg)
+
+        self.uses_fsdp = dims.dp > 1 or dims.cp > 1
+        self.autocast = t.mixed_precision == "bf16" and not self.uses_fsdp
+        self.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel
+        self.loss_fn = cross_entropy
+        if cfg.compile.enable and "loss" in cfg.compile.components:
+            from torchmeg.compile import compile_loss
+            self.loss_fn = compile_loss(cross_entropy)
+        from torchmeg.data.sources import cache_dir
+        dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
+        self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
+        self.logger = MetricsLogger(cfg, self.rank)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def _ctx(self):
+        stack = contextlib.ExitStack()
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            stack.enter_context(loss_parallel())
+        if self.autocast:
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
+        return stack
+
+    def train_step(self, batches) -> tuple[float, float, bool]:
+        """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped)."""
+        from torchmeg.optim import clip_grads, grad_norm
+        loss_sum = torch.zeros((), device=self.device)
+        for m, (inputs, labels) in enumerate(batches):
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce gradients once, after the last microbatch.
+                self.model.set_requires_gradient_sync(m == self.accum - 1)
+            with self._ctx():
+                loss = self.loss_fn(self.model(inputs), labels) / self.accum
+                loss.backward()
+            loss_sum += _scalar(loss.detach()).float()
+        dist.all_reduce(loss_sum, group=self.loss_group)
+        loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
+        gn = grad_norm(self.params).item()
+        finite = math.isfinite(loss_val) and math.isfinite(gn)
+        if finite:
+            clip_grads(self.params, self.cfg.training.max_norm, torch.tensor(gn))
+            self.optimizer.step()
+        elif self.cfg.training.on_nonfinite == "stop":
+            raise FloatingPointError(f"non-finite loss {loss_val} or grad norm {gn}; stopping "
+                                     f"(training.on_nonfinite = \"stop\")")
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss_val, gn, finite
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        from torchmeg.data import build_loader
+        v, t = self.cfg.validation, self.cfg.training
+        loader = build_loader(self.val_set, t.local_batch_size, self.dims.dp, self.dp_rank, 1, 0, v.steps)
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for inputs, labels in loader:
+            with self._ctx():
+                total += _scalar(self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))).float()
+        self.model.train()
+        dist.all_reduce(total, group=self.loss_group)
+        return total.item() / (v.steps * dist.get_world_size(self.loss_group))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def header(self) -> None:
+        if self.rank != 0:
+            return
+        a, c, d = self.args, self.cfg, self.dims
+        n_tok = sum(len(p.w) for p in _parts(self.train_set)) * c.data.seq_len
+        backend = dist.get_backend()
+        lines = [
+            f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
+            f"model      {c.model.name}/{c.model.flavor}: {self.n_params / 1e6:.2f}M params "
+            f"({self.n_params_dense / 1e6:.2f}M non-embedding), {a.n_layers} layers, dim {a.dim}, "
+            f"heads {a.n_heads}/{a.kv_heads}, vocab {a.vocab_size}; {self.flops_per_token / 1e6:.1f} MFLOP/token "
+            f"at seq {c.data.seq_len}",
+            f"data       {c.data.dataset} ({self.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
+            f"{self.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
+            f"layout     {d.describe()} | {self.device.type} ({backend}) | {c.training.mixed_precision}",
+            f"batch      {c.training.local_batch_size} seq x dp {d.dp} x accum {self.accum} = {self.global_batch} "
+            f"seq = {self.global_batch * c.data.seq_len:,} tokens/step, {c.training.steps} steps",
+            f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
+            f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
+            f"clip {c.training.max_norm:g}",
+            f"peak       {self.peak / 1e12:.3f} TFLOP/s per rank ({self.peak_source})",
+        ]
+        print("\n".join(lines), flush=True)
+
+    def run(self) -> int:
+        from torchmeg.metrics import format_line, peak_memory_gib
+        cfg = self.cfg
+        self.header()
+        it = iter(self.loader)
+        tokens_per_step = self.global_batch * cfg.data.seq_len
+        window_t, window_steps = 0.0, 0
+        for step in range(self.start_step + 1, cfg.training.steps + 1):
+            t0 = time.perf_counter()
+            batches = [next(it) for _ in range(self.accum)]
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            loss, gn, stepped = self.train_step(batches)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            window_t += dt
+            window_steps += 1
+            val = self.evaluate() if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == cfg.training.steps) else None
+            if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped:
+                tps = tokens_per_step * window_steps / window_t / self.world
+                tflops = self.flops_per_token * tps / 1e12
+                row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr,
+                       "tokens_per_sec": tps, "tflops": tflops, "mfu": tflops * 1e12 / self.peak,
+                       "memory_gib": peak_memory_gib(self.device), "elapsed_ms": 1000 * window_t / window_steps}
+                if val is not None:
+                    row["val_loss"] = val
+                if not stepped:
+                    row["skipped"] = True
+                self.logger.log(row, format_line(row))
+                window_t, window_steps = 0.0, 0
+        self.logger.close()
+        return 0
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()  # avoids gloo's abort when one rank tears down first
+            dist.destroy_process_group()
+
+
+def _parts(ds):
+    src = ds.src
+    return src.sources if hasattr(src, "sources") else [src]
+
+
+def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a full parameter, for any DTensor placements (FSDP, TP, both)."""
+    if not hasattr(param, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return local.to_local()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = parse_args(argv)
+        validate(cfg)
+    except ConfigError as e:
+        print(f"torchmeg: error: {e}", file=sys.stderr)
+        return 2
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        return trainer.run()
+    except ConfigError as e:  # a check that needs the data or the device, caught after start-up
+        print(f"torchmeg: error: {e}", file=sys.stderr)
+        return 2
+    except FloatingPointError as e:  # training.on_nonfinite = "stop"
+        print(f"torchmeg: stopped: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
