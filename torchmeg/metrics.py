@@ -94,6 +94,29 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / (2 ** 30 if platform.system() == "Darwin" else 2 ** 20)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds for parameters + gradients + optimizer state (local shards only)."""
+    seen, n = set(), 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        for t in (p, p.grad):
+            if t is not None:
+                loc = _local(t)
+                n += loc.numel() * loc.element_size()
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.ndim > 0:
+                loc = _local(v)
+                n += loc.numel() * loc.element_size()
+    return n
+
+
 class MetricsLogger:
     """One line per logged step to the console, metrics.jsonl and TensorBoard (rank 0 writes)."""
 

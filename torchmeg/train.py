@@ -78,7 +78,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         from torchmeg.data import build_dataset, build_loader, build_tokenizer, open_stores
         from torchmeg.metrics import MetricsLogger, peak_flops
-        from torchmeg.models import build_model, count_params, flops_per_token, get_spec, init_weights
+        from torchmeg.models import build_model, count_params, flops_per_token, get_spec, materialize
         from torchmeg.optim import build_lr_scheduler, build_optimizer
         from torchmeg.parallel import ParallelDims
         from torchmeg.parallel.parallelize import parallelize
@@ -120,15 +120,12 @@ class Trainer:
         self.n_params_dense = count_params(model, exclude_embeddings=True)
         self.flops_per_token = flops_per_token(model, model.args, cfg.data.seq_len)
         model = parallelize(model, dims, cfg, mesh=mesh)
-        model.to_empty(device=self.device)
-        init_weights(model, cfg.job.seed, shard=_local_shard)
+        materialize(model, self.device, cfg.job.seed, shard=_local_shard)
         self.model = model
         self.params = [p for p in model.parameters()]
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
 
-        self.uses_fsdp = dims.dp > 1 or dims.cp > 1
-        self.autocast = t.mixed_precision == "bf16" and not self.uses_fsdp
         self.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel
         self.loss_fn = cross_entropy
         if cfg.compile.enable and "loss" in cfg.compile.components:
@@ -138,6 +135,7 @@ class Trainer:
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
         self.logger = MetricsLogger(cfg, self.rank)
+        self.state_bytes = None
 
     # ---- one step ---------------------------------------------------------------------------
     def _ctx(self):
@@ -145,8 +143,6 @@ class Trainer:
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
             stack.enter_context(loss_parallel())
-        if self.autocast:
-            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
     def train_step(self, batches) -> tuple[float, float, bool]:
@@ -169,6 +165,9 @@ class Trainer:
         if finite:
             clip_grads(self.params, self.cfg.training.max_norm, torch.tensor(gn))
             self.optimizer.step()
+            if self.state_bytes is None:  # measured once, when grads and optimizer state all exist
+                from torchmeg.metrics import model_state_bytes
+                self.state_bytes = model_state_bytes(self.model, self.optimizer)
         elif self.cfg.training.on_nonfinite == "stop":
             raise FloatingPointError(f"non-finite loss {loss_val} or grad norm {gn}; stopping "
                                      f"(training.on_nonfinite = \"stop\")")
@@ -239,6 +238,11 @@ class Trainer:
                 row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr,
                        "tokens_per_sec": tps, "tflops": tflops, "mfu": tflops * 1e12 / self.peak,
                        "memory_gib": peak_memory_gib(self.device), "elapsed_ms": 1000 * window_t / window_steps}
+                mem = torch.tensor([row["memory_gib"]], dtype=torch.float64)
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the worst rank is the one that OOMs
+                row["memory_gib_max"] = mem.item()
+                if self.state_bytes is not None:
+                    row["model_state_mib"] = self.state_bytes / 2 ** 20
                 if val is not None:
                     row["val_loss"] = val
                 if not stepped:

@@ -186,6 +186,43 @@ def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> 
             model.init_buffers()
 
 
+def tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """(first FQN, other FQN) for every parameter reachable under two names."""
+    first, pairs = {}, []
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            fqn = f"{mname}.{pname}" if mname else pname
+            if id(p) in first:
+                pairs.append((first[id(p)], fqn))
+            else:
+                first[id(p)] = fqn
+    return pairs
+
+
+def get_param_owner(model: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    mod, _, name = fqn.rpartition(".")
+    return model.get_submodule(mod), name
+
+
+def retie(model: nn.Module, pairs) -> None:
+    for src, dst in pairs:
+        sm, sn = get_param_owner(model, src)
+        dm, dn = get_param_owner(model, dst)
+        setattr(dm, dn, getattr(sm, sn))
+
+
+def materialize(model: nn.Module, device, seed: int, shard: Callable | None = None) -> nn.Module:
+    """Meta model -> real storage on `device`, initialised from (seed, FQN); ties survive.
+
+    (`to_empty` off the meta device makes a new Parameter per module, silently untying weights.)
+    """
+    pairs = tied_pairs(model)
+    model.to_empty(device=device)
+    retie(model, pairs)
+    init_weights(model, seed, shard=shard)
+    return model
+
+
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
     """Global parameter count (DTensor numel is global); tied weights counted once."""
     seen, n = set(), 0

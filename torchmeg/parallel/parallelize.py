@@ -40,7 +40,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     if cfg.compile.enable and "model" in cfg.compile.components:
         from torchmeg.compile import compile_blocks
         compile_blocks(model, tp=dims.tp > 1)
-    if dims.fsdp > 1:
+    # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
+    # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
+    if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
         apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, p.fsdp_reshard_after_forward)
     elif dims.dp_replicate > 1:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import inspect
 
 from torch import nn
+
+from torchmeg.models import get_param_owner, tied_pairs
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -51,7 +53,9 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool):
     if role == "sp_input":
         return PrepareModuleInput(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
     if role == "sp_enter":
-        return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest)
+        # Local output: the block's residual stream must be a plain shard like its sublayers' outputs.
+        return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest,
+                                  use_local_output=True)
     raise ValueError(f"unknown TP role {role!r}; known roles: {', '.join(ROLES)}")
 
 
@@ -74,32 +78,15 @@ def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool) -> dict:
     return out
 
 
-def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    first, pairs = {}, []
-    for mname, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            fqn = f"{mname}.{pname}" if mname else pname
-            if id(p) in first:
-                pairs.append((first[id(p)], fqn))
-            else:
-                first[id(p)] = fqn
-    return pairs
-
-
-def _get(model, fqn):
-    mod, _, name = fqn.rpartition(".")
-    return model.get_submodule(mod), name
-
-
 def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied."""
-    tied = _tied_pairs(model)
+    tied = tied_pairs(model)
     parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel))
     for src, dst in tied:
         # parallelize_module replaces each module's parameter separately; re-tie when both sides
         # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
-        sm, sn = _get(model, src)
-        dm, dn = _get(model, dst)
+        sm, sn = get_param_owner(model, src)
+        dm, dn = get_param_owner(model, dst)
         a, b = getattr(sm, sn), getattr(dm, dn)
         if a is not b:
             if getattr(a, "placements", None) != getattr(b, "placements", None):
