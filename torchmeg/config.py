@@ -114,6 +114,7 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = _f(False)
     components: list = _f(["model", "loss"])
+    cache_dir: str = _f("", help="inductor's kernel cache; '' = TORCHINDUCTOR_CACHE_DIR or torch's default")
 
 
 @dataclass
@@ -364,8 +365,6 @@ def _check_special(cfg: Config) -> None:
     em = cfg.float8.emulate
     if isinstance(em, str) and em != "auto":
         raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
-    if cfg.lr_scheduler.warmup_steps > t.steps:
-        raise ConfigError(f"lr_scheduler.warmup_steps = {cfg.lr_scheduler.warmup_steps}: exceeds training.steps = {t.steps}")
     comps = cfg.compile.components
     bad = [c for c in comps if c not in ("model", "loss")]
     if bad:

@@ -9,7 +9,6 @@ _PENDING = [
     ("parallelism.pipeline_parallel_degree", lambda c: c.parallelism.pipeline_parallel_degree > 1, "use 1"),
     ("parallelism.context_parallel_degree", lambda c: c.parallelism.context_parallel_degree > 1, "use 1"),
     ("parallelism.expert_parallel_degree", lambda c: c.parallelism.expert_parallel_degree > 1, "use 1"),
-    ("float8.enable", lambda c: c.float8.enable, "set it to false"),
     ("checkpoint.enable", lambda c: c.checkpoint.enable, "set it to false"),
     ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf, "set it to false"),
 ]

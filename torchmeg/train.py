@@ -136,6 +136,9 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
         self.logger = MetricsLogger(cfg, self.rank)
         self.state_bytes = None
+        # float8 weights all-gathered by FSDP: one fused amax/scale computation per step.
+        self.float8_precompute = (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
+                                  and cfg.float8.recipe == "tensorwise" and (dims.fsdp > 1 or t.mixed_precision == "bf16"))
 
     # ---- one step ---------------------------------------------------------------------------
     def _ctx(self):
@@ -165,6 +168,9 @@ class Trainer:
         if finite:
             clip_grads(self.params, self.cfg.training.max_norm, torch.tensor(gn))
             self.optimizer.step()
+            if self.float8_precompute:
+                from torchmeg.float8 import precompute_scales
+                precompute_scales(self.model)
             if self.state_bytes is None:  # measured once, when grads and optimizer state all exist
                 from torchmeg.metrics import model_state_bytes
                 self.state_bytes = model_state_bytes(self.model, self.optimizer)

@@ -164,6 +164,14 @@ def param_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 63)
 
 
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The model's own name for a parameter, without compile/recompute/FSDP wrapper components."""
+    return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)
+
+
 def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> None:
     """Initialise every parameter from (seed, FQN) alone, so any layout gets identical weights.
 
@@ -177,6 +185,7 @@ def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> 
             if id(p) in seen:
                 continue
             seen.add(id(p))
+            fqn = canonical_fqn(fqn)
             full = torch.empty(p.shape, dtype=torch.float32)
             model.param_init(fqn, full, torch.Generator().manual_seed(param_seed(seed, fqn)))
             local = shard(p, full) if shard is not None else full

@@ -1,8 +1,9 @@
 """THE pass: a plain single-device model -> a distributed one, in a fixed order.
 
+  0. float8 (torchao)             swaps nn.Linear for Float8Linear first, so that step 1 can
+                                  choose torchao's Float8 TP styles for the converted layers
   1. tensor / sequence parallel   DTensor plans need the un-wrapped modules
   2. context, expert parallel     (later issues)
-  3. float8                       after TP so Float8 TP styles apply, before compile/FSDP
   4. activation recompute         wraps blocks
   5. torch.compile per block      after recompute wrapping, before FSDP so its hooks stay outside
   6. data parallel                FSDP2 per block then root, HSDP or DDP; mixed precision
@@ -27,18 +28,26 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     if mesh is None:
         mesh = dims.build_mesh(_device_type(model))
     p = cfg.parallelism
+    float8_tp = False
+    if cfg.float8.enable:
+        from torchmeg.float8 import apply_float8
+        converted = apply_float8(model, cfg.float8, _device_type(model))
+        # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
+        # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
+        float8_tp = converted and cfg.float8.recipe == "tensorwise" and _device_type(model) == "cuda"
     if dims.tp > 1:
         if tp_plan is None:
             from torchmeg.models import get_spec
             tp_plan = get_spec(cfg.model.name).tp_plan
-        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel)
+        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel, float8_tp)
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if cfg.activation_checkpoint.mode != "none":
         from torchmeg.recompute import apply_recompute
         apply_recompute(model, cfg.activation_checkpoint)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        from torchmeg.compile import compile_blocks
+        from torchmeg.compile import compile_blocks, setup
+        setup(cfg.compile.cache_dir)
         compile_blocks(model, tp=dims.tp > 1)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.

@@ -31,17 +31,34 @@ def _n_positional(module: nn.Module) -> int:
                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
 
 
-def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool):
-    """The DTensor ParallelStyle for a role, or None where the role is a no-op in this setting."""
+def _float8_styles():
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float8_tp: bool = False):
+    """The DTensor ParallelStyle for a role, or None where the role is a no-op in this setting.
+
+    float8_tp: the model holds tensorwise Float8Linear layers; use torchao's styles, which cast to
+    float8 before the all-gather so the collective moves half the bytes.
+    """
     seq = Shard(1) if sp else Replicate()
+    from torchmeg.float8 import is_float8_linear
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    f8 = float8_tp and bool(linears) and all(is_float8_linear(m) for m in linears)
+    Col, Row, Prep = _float8_styles() if f8 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    if role == "colwise":
+        return Col()
+    if role == "rowwise":
+        return Row(output_layouts=seq)
+    if role == "sp_input" and sp:
+        rest = (None,) * (_n_positional(module) - 1)
+        return Prep(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
     if role == "embedding":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if role == "embedding_replicate":
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if role == "colwise":
-        return ColwiseParallel()
-    if role == "rowwise":
-        return RowwiseParallel(output_layouts=seq)
     if role == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                use_local_output=not loss_parallel)
@@ -64,7 +81,7 @@ def _matches(pattern: str, fqn: str) -> bool:
     return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))
 
 
-def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool) -> dict:
+def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False) -> dict:
     """Pattern plan -> {module FQN: ParallelStyle} for the modules this (stage) model has."""
     out = {}
     for pattern, role in plan:
@@ -72,16 +89,16 @@ def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool) -> dict:
             raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}")
         for fqn, mod in model.named_modules():
             if fqn and mod is not None and _matches(pattern, fqn):
-                style = style_for(role, mod, sp, loss_parallel)
+                style = style_for(role, mod, sp, loss_parallel, float8_tp)
                 if style is not None:
                     out[fqn] = style
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False) -> nn.Module:
     """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied."""
     tied = tied_pairs(model)
-    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel))
+    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel, float8_tp))
     for src, dst in tied:
         # parallelize_module replaces each module's parameter separately; re-tie when both sides
         # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
