@@ -1,0 +1,23 @@
+"""tools/bench.py runs settings side by side and writes its table, JSON and chart (no timing asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, TINY
+
+
+def test_bench_writes_reports(tmp_path):
+    model = [a for a in TINY if a.startswith(("--model.", "--data.seq_len"))]
+    p = subprocess.run([sys.executable, "tools/bench.py", "--config", "recipes/debug_llama.toml", "--compile", "off",
+                        "--ac", "none,full", "--steps", "2", "--warmup", "1", "--repeats", "2",
+                        "--out", str(tmp_path)] + model,
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.load(open(tmp_path / "bench.json"))
+    assert [r["setting"] for r in rows] == ["eager", "eager ac=full"]
+    for r in rows:
+        assert len(r["step_ms_all"]) == 4 and r["tokens_per_sec"] > 0 and r["memory_gib"] > 0
+    assert rows[0]["speedup"] == 1.0
+    assert "| eager ac=full |" in open(tmp_path / "bench.md").read()
+    assert os.path.getsize(tmp_path / "bench.png") > 1000

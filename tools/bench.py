@@ -1,0 +1,184 @@
+#!/usr/bin/env python
+"""Compile vs eager (and recompute / float8 / precision / batch) on one recipe, side by side.
+
+    python tools/bench.py --config recipes/debug_llama.toml
+    python tools/bench.py --config recipes/debug_llama.toml --compile off,on --ac none,full,selective \
+        --float8 off,on --precision fp32 --batch 8,16 --steps 10 --repeats 3
+
+One worker process per setting builds its trainer (and compiles, timed) once; the parent then runs
+the settings in interleaved rounds (A B C, A B C, ...) one at a time, so drift in the machine's
+speed hits every setting alike. Reported per setting: median step time, tokens/s, MFU, peak
+memory (the worker's VmHWM on CPU, allocator peak on GPU), compile time (first step minus a median
+step), inductor kernels generated, and tokens/s relative to the first setting. Writes
+<out>/bench.md, bench.json and bench.png.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
+    import torch
+    from torchmeg.config import validate
+    from torchmeg.metrics import peak_memory_gib
+    from torchmeg.train import Trainer, parse_args
+    cfg = parse_args(["--config", config, *overrides, f"--job.dump_folder={dump}", "--metrics.jsonl=false",
+                      "--metrics.enable_tensorboard=false", "--validation.enable=false",
+                      "--training.steps=1000000"])
+    validate(cfg)
+    tr = Trainer(cfg)
+    it = iter(tr.loader)
+
+    def step() -> float:
+        batches = [next(it) for _ in range(tr.accum)]
+        t0 = time.perf_counter()
+        tr.train_step(batches)
+        if tr.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    first = step()
+    conn.send(("ready", first))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "run":
+            conn.send([step() for _ in range(arg)])
+        elif cmd == "report":
+            kernels = 0
+            try:
+                from torch._inductor import metrics as ind_metrics
+                kernels = ind_metrics.generated_kernel_count
+            except Exception:  # inductor absent or not used
+                pass
+            conn.send({"tokens_per_step": tr.global_batch * cfg.data.seq_len, "flops_per_token": tr.flops_per_token,
+                       "peak_flops": tr.peak, "peak_source": tr.peak_source,
+                       "memory_gib": peak_memory_gib(tr.device), "kernels": kernels})
+        else:
+            tr.close()
+            conn.send("bye")
+            return
+
+
+def settings_from(a) -> list[tuple[str, list[str]]]:
+    out = []
+    for comp, ac, f8, prec, batch in itertools.product(a.compile.split(","), a.ac.split(","), a.float8.split(","),
+                                                       a.precision.split(","), a.batch.split(",")):
+        ov = [f"--compile.enable={'true' if comp == 'on' else 'false'}", f"--activation_checkpoint.mode={ac}",
+              f"--float8.enable={'true' if f8 == 'on' else 'false'}", f"--training.mixed_precision={prec}"]
+        if batch:
+            ov.append(f"--training.local_batch_size={batch}")
+        parts = [("compiled" if comp == "on" else "eager")]
+        parts += [f"ac={ac}"] if ac != "none" else []
+        parts += ["float8"] if f8 == "on" else []
+        parts += [prec] if prec != "fp32" else []
+        parts += [f"bs={batch}"] if batch else []
+        out.append((" ".join(parts), ov))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="recipes/debug_llama.toml")
+    ap.add_argument("--compile", default="off,on", help="comma list of off/on")
+    ap.add_argument("--ac", default="none", help="comma list of none/full/selective")
+    ap.add_argument("--float8", default="off", help="comma list of off/on")
+    ap.add_argument("--precision", default="fp32", help="comma list of fp32/bf16")
+    ap.add_argument("--batch", default="", help="comma list of local batch sizes ('' = the recipe's)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per setting per round")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--out", default="outputs/bench")
+    ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every setting")
+    a, extra = ap.parse_known_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    dump = tempfile.mkdtemp(prefix="torchmeg-bench-")
+    settings = settings_from(a)
+    ctx = mp.get_context("spawn")
+    workers = []
+    for name, ov in settings:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(child, a.config, ov + a.overrides + extra, dump), daemon=True)
+        p.start()
+        workers.append((name, parent, p))
+        # Build/compile one at a time so compile times are not inflated by each other.
+        msg, first = parent.recv()
+        print(f"[bench] {name}: ready, first step {first:.2f} s", file=sys.stderr, flush=True)
+        workers[-1] = (name, parent, p, first)
+    for _, conn, _, _ in workers:
+        conn.send(("run", a.warmup))
+        conn.recv()
+    times = {w[0]: [] for w in workers}
+    for r in range(a.repeats):
+        for name, conn, _, _ in workers:
+            conn.send(("run", a.steps))
+            times[name] += conn.recv()
+        print(f"[bench] round {r + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+    rows = []
+    for name, conn, p, first in workers:
+        conn.send(("report", None))
+        rep = conn.recv()
+        conn.send(("exit", None))
+        conn.recv()
+        p.join(timeout=60)
+        med = statistics.median(times[name])
+        tps = rep["tokens_per_step"] / med
+        rows.append({"setting": name, "median_step_ms": 1000 * med, "tokens_per_sec": tps,
+                     "mfu": tps * rep["flops_per_token"] / rep["peak_flops"], "memory_gib": rep["memory_gib"],
+                     "compile_s": max(0.0, first - med), "kernels": rep["kernels"], "peak_source": rep["peak_source"],
+                     "step_ms_all": [1000 * t for t in times[name]]})
+    base = rows[0]["tokens_per_sec"]
+    for r in rows:
+        r["speedup"] = r["tokens_per_sec"] / base
+    write_reports(rows, a, settings[0][0])
+    return 0
+
+
+def write_reports(rows, a, base_name) -> None:
+    head = ("| setting | median step (ms) | tokens/s | MFU | peak mem (GiB) | compile (s) | kernels | "
+            f"vs {base_name} |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    body = "".join(f"| {r['setting']} | {r['median_step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | "
+                   f"{r['memory_gib']:.2f} | {r['compile_s']:.1f} | {r['kernels']} | {r['speedup']:.2f}x |\n"
+                   for r in rows)
+    md = (f"`python tools/bench.py --config {a.config} --compile {a.compile} --ac {a.ac} --float8 {a.float8} "
+          f"--precision {a.precision}{' --batch ' + a.batch if a.batch else ''} --steps {a.steps} "
+          f"--repeats {a.repeats}`\n\n{head}{body}\nMFU against {rows[0]['peak_source']}.\n")
+    with open(os.path.join(a.out, "bench.md"), "w") as fh:
+        fh.write(md)
+    with open(os.path.join(a.out, "bench.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+    print(md)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: pip install -e '.[tools]' for bench.png)", file=sys.stderr)
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.6 * len(rows) + 2))
+    names = [r["setting"] for r in rows]
+    axes[0].barh(names, [r["tokens_per_sec"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        axes[0].text(r["tokens_per_sec"], i, f" {r['speedup']:.2f}x", va="center")
+    axes[0].set_xlabel("tokens/s (median)")
+    axes[1].barh(names, [r["memory_gib"] for r in rows], color="tab:orange")
+    axes[1].set_xlabel("peak memory (GiB)")
+    for ax in axes:
+        ax.invert_yaxis()
+    fig.suptitle(f"torchmeg bench: {os.path.basename(a.config)}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(a.out, "bench.png"), dpi=110)
+    print(f"wrote {a.out}/bench.md, bench.json, bench.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
