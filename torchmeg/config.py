@@ -135,6 +135,8 @@ class Checkpoint:
     async_mode: str = _f("disabled", choices=["disabled", "async"])
     load_step: int = _f(-1, lo=-1)
     export_hf: bool = _f(False)
+    last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
+    export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
 
 
 @dataclass
@@ -397,6 +399,9 @@ def validate(cfg: Config, world_size: int | None = None) -> "Config":
             f"training.global_batch_size = {t.global_batch_size}: must be a multiple of local_batch_size x dp "
             f"= {t.local_batch_size} x {dims.dp} = {unit} (or -1)")
     _check_data(cfg)
+    if cfg.checkpoint.enable:
+        from torchmeg.checkpoint import check_folder
+        check_folder(cfg)
     from torchmeg.features import check_supported
     check_supported(cfg, dims)
     return cfg

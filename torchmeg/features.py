@@ -9,8 +9,8 @@ _PENDING = [
     ("parallelism.pipeline_parallel_degree", lambda c: c.parallelism.pipeline_parallel_degree > 1, "use 1"),
     ("parallelism.context_parallel_degree", lambda c: c.parallelism.context_parallel_degree > 1, "use 1"),
     ("parallelism.expert_parallel_degree", lambda c: c.parallelism.expert_parallel_degree > 1, "use 1"),
-    ("checkpoint.enable", lambda c: c.checkpoint.enable, "set it to false"),
-    ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf, "set it to false"),
+    ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf and c.model.name != "llama",
+     "HF export supports model.name = \"llama\"; set it to false"),
 ]
 
 
@@ -24,6 +24,8 @@ def check_supported(cfg, dims) -> None:
     for key, pending, instead in _PENDING:
         if pending(cfg):
             raise ConfigError(f"{key} = {_value(cfg, key)!r}: not yet supported in this version of torchmeg; {instead}")
+    if cfg.checkpoint.export_hf and not cfg.checkpoint.enable:
+        raise ConfigError("checkpoint.export_hf = true: needs checkpoint.enable = true")
     if cfg.parallelism.enable_async_tensor_parallel and _device_type(cfg) != "cuda":
         raise ConfigError("parallelism.enable_async_tensor_parallel = true: CUDA only (symmetric-memory "
                           "collectives); set it to false on CPU")

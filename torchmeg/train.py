@@ -108,9 +108,6 @@ class Trainer:
         stores = open_stores(cfg, self.tokenizer)
         self.train_set = build_dataset(cfg, stores, "train")
         self.val_set = build_dataset(cfg, stores, "val") if cfg.validation.enable else None
-        self.start_step = 0
-        self.loader = build_loader(self.train_set, t.local_batch_size, dims.dp, self.dp_rank, self.accum,
-                                   self.start_step, t.steps, cfg.data.num_workers)
 
         # Model: built on meta, parallelized, then materialised and initialised from (seed, FQN).
         self.spec = get_spec(cfg.model.name)
@@ -134,7 +131,17 @@ class Trainer:
         from torchmeg.data.sources import cache_dir
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
-        self.logger = MetricsLogger(cfg, self.rank)
+        # Resume: the newest committed checkpoint (if any) sets the weights, optimizer, schedule and step;
+        # the data position follows from the step alone.
+        self.step, self.ckpt = 0, None
+        if cfg.checkpoint.enable:
+            from torchmeg.checkpoint import CheckpointManager
+            self.ckpt = CheckpointManager(cfg, self)
+            self.ckpt.load_latest()
+        self.start_step = self.step
+        self.loader = build_loader(self.train_set, t.local_batch_size, dims.dp, self.dp_rank, self.accum,
+                                   self.start_step, t.steps, cfg.data.num_workers)
+        self.logger = MetricsLogger(cfg, self.rank, append=self.start_step > 0)
         self.state_bytes = None
         # float8 weights all-gathered by FSDP: one fused amax/scale computation per step.
         self.float8_precompute = (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
@@ -159,6 +166,8 @@ class Trainer:
                 self.model.set_requires_gradient_sync(m == self.accum - 1)
             with self._ctx():
                 loss = self.loss_fn(self.model(inputs), labels) / self.accum
+                if _inject_nan(self.step + 1):
+                    loss = loss * float("nan")
                 loss.backward()
             loss_sum += _scalar(loss.detach()).float()
         dist.all_reduce(loss_sum, group=self.loss_group)
@@ -224,6 +233,9 @@ class Trainer:
         from torchmeg.metrics import format_line, peak_memory_gib
         cfg = self.cfg
         self.header()
+        if self.start_step and self.rank == 0:
+            print(f"resumed   from step {self.start_step} ({self.ckpt.folder})", flush=True)
+        stop = _StopFlag()
         it = iter(self.loader)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         window_t, window_steps = 0.0, 0
@@ -255,6 +267,21 @@ class Trainer:
                     row["skipped"] = True
                 self.logger.log(row, format_line(row))
                 window_t, window_steps = 0.0, 0
+            self.step = step
+            preempted = stop.agreed()
+            last = step == cfg.training.steps or preempted
+            if self.ckpt is not None and (self.ckpt.should_save(step, last) or preempted):
+                self.ckpt.save(step, last=last)
+            _inject_kill(step, self.rank)
+            if preempted:
+                if self.rank == 0:
+                    print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if self.ckpt else ""), flush=True)
+                break
+        if self.ckpt is not None:
+            self.ckpt.close()
+            if cfg.checkpoint.export_hf:
+                from torchmeg.hf import export_hf
+                export_hf(self, os.path.join(self.ckpt.folder, "hf"))
         self.logger.close()
         return 0
 
@@ -262,6 +289,38 @@ class Trainer:
         if dist.is_initialized():
             dist.barrier()  # avoids gloo's abort when one rank tears down first
             dist.destroy_process_group()
+
+
+class _StopFlag:
+    """SIGTERM (pre-emption) sets a flag; ranks agree on it after each step, so all stop together."""
+
+    def __init__(self):
+        import signal
+        self.flag = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, *_):
+        self.flag = True
+
+    def agreed(self) -> bool:
+        t = torch.tensor([1.0 if self.flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def _inject_nan(step: int) -> bool:
+    """Test hook: TORCHMEG_TEST_NAN_AT_STEP=N makes step N's loss NaN."""
+    return os.environ.get("TORCHMEG_TEST_NAN_AT_STEP") == str(step)
+
+
+def _inject_kill(step: int, rank: int) -> None:
+    """Test hook: TORCHMEG_TEST_KILL_AT_STEP=N (+ _RANK) SIGKILLs one rank after step N, on the
+    first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT)."""
+    if (os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step)
+            and os.environ.get("TORCHMEG_TEST_KILL_RANK", "0") == str(rank)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _parts(ds):

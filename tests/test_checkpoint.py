@@ -1,0 +1,228 @@
+"""Checkpoints: exact resume, resharding, crash recovery, atomic commits, non-finite guards, HF export."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, read_metrics, run_cli
+
+P = "--parallelism."
+BASE = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=4",
+               "--checkpoint.interval=5"]
+CK = ["--checkpoint.enable=true"]
+
+
+def by_step(rows):
+    """Last row per step (a resumed run logs the steps after its checkpoint again)."""
+    return {r["step"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("full")
+    run_cli(BASE + ["--training.local_batch_size=4"], d)
+    return by_step(read_metrics(d))
+
+
+def same(ref, got, tol=0.0, steps=range(1, 21)):
+    for s in steps:
+        for k in ("loss", "grad_norm"):
+            assert abs(ref[s][k] - got[s][k]) <= tol, f"step {s} {k}: {ref[s][k]!r} vs {got[s][k]!r}"
+
+
+@pytest.mark.parametrize("name, ranks, local, layout, extra", [
+    ("single", 1, 4, [], []),
+    ("fsdp2", 2, 2, [P + "data_parallel_shard_degree=2"], []),
+    ("single_async", 1, 4, [], ["--checkpoint.async_mode=async"]),
+])
+def test_exact_resume(name, ranks, local, layout, extra, tmp_path, uninterrupted):
+    args = BASE + CK + [f"--training.local_batch_size={local}"] + layout + extra
+    p = run_cli(args, tmp_path, nproc=ranks, env={"TORCHMEG_TEST_KILL_AT_STEP": "10"}, check=False)
+    assert p.returncode != 0 and len(read_metrics(tmp_path)) == 10
+    p = run_cli(args, tmp_path, nproc=ranks)
+    # An async save is committed when the next one starts (or at exit): the step-10 save was still
+    # in flight when the process died, so it never became a checkpoint and step 5 is the latest.
+    resumed = 5 if "async" in name else 10
+    assert f"resumed   from step {resumed}" in p.stdout
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 11)) + list(range(resumed + 1, 21))
+    if ranks == 1:
+        same(uninterrupted, by_step(rows))  # bit for bit
+    else:
+        ref = tmp_path / "ref"
+        run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, ref, nproc=ranks)
+        same(by_step(read_metrics(ref)), by_step(rows))  # bit for bit against the same layout
+
+
+def test_reshard_fsdp2_to_tp2_and_single(tmp_path, uninterrupted):
+    fsdp = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
+    run_cli(fsdp, tmp_path, nproc=2, env={"TORCHMEG_TEST_KILL_AT_STEP": "10"}, check=False)
+    folder = tmp_path / "run" / "checkpoint"
+    assert sorted(os.listdir(folder)) == ["step-00000005", "step-00000010"]
+    for name, ranks, layout in (("tp2", 2, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
+                                ("one", 1, [])):
+        ck = f"--checkpoint.folder={folder}"
+        p = run_cli(BASE + CK + [ck, "--training.local_batch_size=4", "--checkpoint.interval=100",
+                                 "--checkpoint.keep_latest_k=0"] + layout, tmp_path, nproc=ranks, name=name)
+        assert "resumed   from step 10" in p.stdout
+        got = by_step(read_metrics(tmp_path, name))
+        assert sorted(got) == list(range(11, 21))
+        same(uninterrupted, got, tol=1e-5, steps=range(11, 21))
+        # leave step 10 as the latest for the next layout
+        import shutil
+        shutil.rmtree(folder / "step-00000020")
+
+
+def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
+    args = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
+    env = dict(os.environ, TORCHMEG_TEST_KILL_AT_STEP="12", TORCHMEG_TEST_KILL_RANK="1", TORCHMEG_PG_TIMEOUT="30")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed   from step 10" in p.stdout
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows][-10:] == list(range(11, 21))
+    ref = tmp_path / "ref"
+    run_cli(BASE + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"], ref, nproc=2)
+    same(by_step(read_metrics(ref)), by_step(rows))
+
+
+def test_save_killed_mid_write_keeps_previous(tmp_path, uninterrupted):
+    args = BASE + CK + ["--training.local_batch_size=4"]
+    p = run_cli(args, tmp_path, env={"TORCHMEG_TEST_KILL_IN_SAVE": "10"}, check=False)
+    assert p.returncode == 17
+    folder = tmp_path / "run" / "checkpoint"
+    assert sorted(os.listdir(folder)) == [".tmp-step-00000010", "step-00000005"]
+    p = run_cli(args, tmp_path)
+    assert "resumed   from step 5" in p.stdout
+    assert not any(n.startswith(".tmp") for n in os.listdir(folder))
+    same(uninterrupted, by_step(read_metrics(tmp_path)))
+
+
+def test_keep_latest_k_prunes_after_commit(tmp_path):
+    run_cli(BASE + CK + ["--training.local_batch_size=4", "--checkpoint.keep_latest_k=2"], tmp_path)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoint")) == ["step-00000015", "step-00000020"]
+
+
+def _finite_checkpoint(path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(str(path)).read_metadata()
+    sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+          if k.startswith("model.") and hasattr(v, "size")}
+    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    return all(torch.isfinite(t).all() for t in sd.values()) and len(sd) > 0
+
+
+@pytest.mark.parametrize("mode", ["skip", "stop"])
+def test_nan_injection(mode, tmp_path):
+    args = BASE + CK + ["--training.local_batch_size=4", f"--training.on_nonfinite={mode}"]
+    p = run_cli(args, tmp_path, env={"TORCHMEG_TEST_NAN_AT_STEP": "7"}, check=False)
+    rows = by_step(read_metrics(tmp_path))
+    folder = tmp_path / "run" / "checkpoint"
+    if mode == "skip":
+        assert p.returncode == 0 and rows[7].get("skipped") and not rows[8].get("skipped")
+        assert rows[20]["loss"] == rows[20]["loss"]  # finite afterwards
+    else:
+        assert p.returncode == 1 and "non-finite" in p.stderr and max(rows) == 6
+        assert sorted(os.listdir(folder)) == ["step-00000005"]
+    for name in os.listdir(folder):
+        assert _finite_checkpoint(folder / name), name
+
+
+def test_sigterm_saves_and_exits_zero(tmp_path):
+    args = BASE[:] + CK + ["--training.local_batch_size=4", "--training.steps=100000", "--checkpoint.interval=100000"]
+    cmd = [sys.executable, "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    last = read_metrics(tmp_path)[-1]["step"]
+    assert "SIGTERM: stopped after step" in out
+    assert os.listdir(tmp_path / "run" / "checkpoint") == [f"step-{last:08d}"]
+
+
+def test_unwritable_checkpoint_folder_fails_first(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    p = run_cli(TINY + CK + [f"--checkpoint.folder={blocker}/ck"], tmp_path, check=False)
+    assert p.returncode == 2 and "checkpoint.folder" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert "step" not in p.stdout
+
+
+def _tiny_llama(**over):
+    from torchmeg.config import load_config
+    from torchmeg.models import build_model, init_weights
+    args = [a for a in TINY if a.startswith("--model.")] + [f"--model.{k}={v}" for k, v in over.items()]
+    cfg = load_config(None, args)
+    m = build_model(cfg, 257, "cpu")
+    init_weights(m, seed=1)
+    return m
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_export_and_import_logits(tmp_path, tied):
+    from transformers import LlamaForCausalLM
+    from torchmeg.hf import load_hf, save_hf
+    m = _tiny_llama(tie_embeddings=tied).eval()
+    save_hf(m.state_dict(), m.args, str(tmp_path / "hf"))
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - m(x)).abs().max() < 1e-4
+        for p in hf.parameters():  # an HF model with other weights, imported back
+            p.add_(torch.randn_like(p) * 0.01)
+    hf.save_pretrained(str(tmp_path / "hf2"))
+    m2 = _tiny_llama(tie_embeddings=tied).eval()
+    m2.load_state_dict(load_hf(str(tmp_path / "hf2"), m2.args))
+    with torch.no_grad():
+        assert (hf(x).logits - m2(x)).abs().max() < 1e-4
+
+
+def test_export_hf_at_end_of_training_and_convert_tool(tmp_path):
+    from transformers import LlamaForCausalLM
+    run_cli(TINY + CK + ["--training.steps=3", "--checkpoint.export_hf=true"], tmp_path)
+    hf_dir = tmp_path / "run" / "checkpoint" / "hf"
+    hf = LlamaForCausalLM.from_pretrained(str(hf_dir)).eval()
+    # convert-tool round trip: the step-3 checkpoint to HF matches the exported one
+    model_args = [a for a in TINY if a.startswith("--model.")]
+    p = subprocess.run([sys.executable, "tools/convert_hf.py", "to-hf", str(tmp_path / "run" / "checkpoint" /
+                        "step-00000003"), "--config", "recipes/debug_llama.toml", "--out", str(tmp_path / "conv")]
+                       + model_args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    conv = LlamaForCausalLM.from_pretrained(str(tmp_path / "conv")).eval()
+    x = torch.randint(0, 257, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(hf(x).logits, conv(x).logits)
+    # and back: from-hf makes a step-0 checkpoint that training starts from
+    p = subprocess.run([sys.executable, "tools/convert_hf.py", "from-hf", str(hf_dir), "--config",
+                        "recipes/debug_llama.toml", f"--checkpoint.folder={tmp_path / 'imported'}"] + model_args,
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    p = run_cli(TINY + CK + ["--training.steps=1", f"--checkpoint.folder={tmp_path / 'imported'}"], tmp_path,
+                name="from_hf")
+    first = read_metrics(tmp_path, "from_hf")[0]["loss"]
+    trained_last = read_metrics(tmp_path)[-1]["loss"]
+    assert first < read_metrics(tmp_path)[0]["loss"] - 0.3 and abs(first - trained_last) < 1.0
+
+
+def test_last_save_model_only_in_bf16(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+    run_cli(TINY + CK + ["--training.steps=6", "--checkpoint.interval=5", "--checkpoint.last_save_model_only=true",
+                         "--checkpoint.export_dtype=bfloat16"], tmp_path)
+    folder = tmp_path / "run" / "checkpoint"
+    full = FileSystemReader(str(folder / "step-00000005")).read_metadata().state_dict_metadata
+    last = FileSystemReader(str(folder / "step-00000006")).read_metadata().state_dict_metadata
+    assert any(k.startswith("optimizer") for k in full) and not any(k.startswith("optimizer") for k in last)
+    assert {v.properties.dtype for k, v in last.items() if hasattr(v, "properties")} == {torch.bfloat16}
+    assert json.load(open(folder / "step-00000006" / "torchmeg.json"))["model_only"] is True

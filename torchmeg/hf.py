@@ -1,0 +1,126 @@
+"""HuggingFace safetensors in/out for `llama`, with transformers' LlamaForCausalLM names.
+
+RoPE layout: torchmeg (like Meta's checkpoints) rotates interleaved pairs (x0,x1),(x2,x3)...;
+transformers rotates the two halves of each head. The same rotation is expressed by permuting the
+rows of wq/wk within each head, which is what `_to_hf_rows` / `_from_hf_rows` do (the permutation
+of transformers' own convert_llama_weights_to_hf.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+_NAMES = [  # torchmeg pattern -> HF pattern
+    (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
+    (r"layers\.(\d+)\.attention\.wq\.weight", "model.layers.{}.self_attn.q_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wk\.weight", "model.layers.{}.self_attn.k_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wv\.weight", "model.layers.{}.self_attn.v_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wo\.weight", "model.layers.{}.self_attn.o_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w1\.weight", "model.layers.{}.mlp.gate_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w2\.weight", "model.layers.{}.mlp.down_proj.weight"),
+    (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{}.mlp.up_proj.weight"),
+    (r"layers\.(\d+)\.attention_norm\.weight", "model.layers.{}.input_layernorm.weight"),
+    (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    (r"norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+]
+
+
+def _rename(name: str, table) -> str:
+    for src, dst in table:
+        m = re.fullmatch(src, name)
+        if m:
+            return dst.format(*m.groups())
+    raise KeyError(f"no HF name for parameter {name!r}")
+
+
+def _to_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    out, dim = w.shape
+    return w.view(n_heads, out // n_heads // 2, 2, dim).transpose(1, 2).reshape(out, dim)
+
+
+def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    out, dim = w.shape
+    return w.view(n_heads, 2, out // n_heads // 2, dim).transpose(1, 2).reshape(out, dim)
+
+
+def hf_config(args) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "torch_dtype": "float32", "head_dim": args.head_dim,
+    }
+
+
+def to_hf_state_dict(sd: dict, args) -> dict:
+    out = {}
+    for name, t in sd.items():
+        if args.tie_embeddings and name == "output.weight":
+            continue
+        if name.endswith("attention.wq.weight"):
+            t = _to_hf_rows(t, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            t = _to_hf_rows(t, args.kv_heads)
+        out[_rename(name, _NAMES)] = t.contiguous()
+    return out
+
+
+def from_hf_state_dict(sd: dict, args) -> dict:
+    back = [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}").replace("\\.", "."))
+            for src, dst in _NAMES]
+    out = {}
+    for name, t in sd.items():
+        if "rotary_emb" in name:
+            continue
+        ours = _rename(name, back)
+        if ours.endswith("attention.wq.weight"):
+            t = _from_hf_rows(t, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            t = _from_hf_rows(t, args.kv_heads)
+        out[ours] = t
+    if args.tie_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def save_hf(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    hf = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(sd, args).items()}
+    save_file(hf, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(args)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=1)
+
+
+def load_hf(folder: str, args) -> dict:
+    """torchmeg state dict from an HF folder (model.safetensors or sharded model-*.safetensors)."""
+    from safetensors.torch import load_file
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no .safetensors files")
+    sd = {}
+    for f in files:
+        sd.update(load_file(os.path.join(folder, f)))
+    return from_hf_state_dict(sd, args)
+
+
+def export_hf(trainer, folder: str) -> None:
+    """Gather the full model on rank 0 and write it as an HF LlamaForCausalLM folder."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    if trainer.cfg.model.name != "llama":
+        raise ValueError("checkpoint.export_hf supports model.name = 'llama'")
+    sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        dtype = getattr(torch, trainer.cfg.checkpoint.export_dtype)
+        save_hf(sd, trainer.args, folder, dtype)
+        print(f"[checkpoint] HF safetensors written to {folder}", flush=True)
+    dist.barrier()
