@@ -82,7 +82,7 @@ def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
     args = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
-    env = dict(os.environ, TORCHMEG_TEST_KILL_AT_STEP="12", TORCHMEG_TEST_KILL_RANK="1", TORCHMEG_PG_TIMEOUT="30")
+    env = dict(os.environ, TORCHMEG_TEST_KILL_AT_STEP="12", TORCHMEG_TEST_KILL_RANK="1", TORCHMEG_PG_TIMEOUT="120")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed   from step 10" in p.stdout

@@ -4,7 +4,7 @@ import copy
 import pytest
 import torch
 
-from conftest import TINY, read_metrics, run_cli
+from conftest import assert_parity as compare, TINY, read_metrics, run_cli
 from torchmeg.config import load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.recompute import apply_recompute
@@ -12,13 +12,6 @@ from torchmeg.recompute import apply_recompute
 P = "--parallelism."
 BASE = TINY + ["--training.steps=10", "--training.deterministic=true", "--training.global_batch_size=4"]
 
-
-def compare(ref, got, tol, rel=False, keys=("loss", "grad_norm")):
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    for a, b in zip(ref, got):
-        for k in keys:
-            bound = tol * (abs(a[k]) if rel else 1.0)
-            assert abs(a[k] - b[k]) <= bound, f"step {a['step']} {k}: {a[k]!r} vs {b[k]!r}"
 
 
 @pytest.fixture(scope="module")

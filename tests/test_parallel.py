@@ -6,19 +6,12 @@ shards, nothing else). bf16: see the test for its tolerance and why.
 """
 import pytest
 
-from conftest import TINY, read_metrics, run_cli
+from conftest import assert_parity as compare, TINY, read_metrics, run_cli
 
 GLOBAL = 8
 BASE = TINY + ["--training.steps=4", "--training.deterministic=true", f"--training.global_batch_size={GLOBAL}"]
 TOL = 1e-5
 
-
-def compare(ref, got, tol, rel=False):
-    assert [r["step"] for r in got] == [r["step"] for r in ref]
-    for a, b in zip(ref, got):
-        for k in ("loss", "grad_norm"):
-            scale = abs(a[k]) if rel else 1.0
-            assert abs(a[k] - b[k]) <= tol * scale, f"step {a['step']} {k}: 1-process {a[k]!r} vs layout {b[k]!r}"
 
 
 @pytest.fixture(scope="module")

@@ -116,14 +116,31 @@ class Trainer:
         self.n_params = count_params(model)
         self.n_params_dense = count_params(model, exclude_embeddings=True)
         self.flops_per_token = flops_per_token(model, model.args, cfg.data.seq_len)
-        model = parallelize(model, dims, cfg, mesh=mesh)
-        materialize(model, self.device, cfg.job.seed, shard=_local_shard)
+        self.schedule, self.pp_group = None, mesh["pp"].get_group()
+        if dims.pp > 1:
+            # Split into this rank's stages first; each stage then goes through the whole pass.
+            from torchmeg.parallel import pipeline as pl
+            sched = cfg.parallelism.pipeline_parallel_schedule
+            v, counts = pl.plan_stages(cfg, model.args.n_layers, dims.pp)
+            ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, v, sched)
+            parts = pl.split_model(model, self.spec, counts, ids)
+            for part in parts:
+                parallelize(part, dims, cfg, mesh=mesh)
+                materialize(part, self.device, cfg.job.seed, shard=_local_shard)
+            self.has_first, self.has_last = 0 in ids, len(counts) - 1 in ids
+            self.schedule = pl.build_schedule(parts, ids, len(counts), self.device, self.pp_group,
+                                              pl.microbatches(cfg, dims.pp, v, self.accum), cross_entropy, sched)
+            self.stage_desc = f"stages {ids} of {len(counts)} ({counts} layers), {sched}"
+            model = pl.StageUnion(parts, self.spec.layers_attr)
+        else:
+            model = parallelize(model, dims, cfg, mesh=mesh)
+            materialize(model, self.device, cfg.job.seed, shard=_local_shard)
         self.model = model
         self.params = [p for p in model.parameters()]
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
 
-        self.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel
+        self.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel and dims.pp == 1
         self.loss_fn = cross_entropy
         if cfg.compile.enable and "loss" in cfg.compile.components:
             from torchmeg.compile import compile_loss
@@ -159,6 +176,9 @@ class Trainer:
         """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped)."""
         from torchmeg.optim import clip_grads, grad_norm
         loss_sum = torch.zeros((), device=self.device)
+        if self.schedule is not None:
+            loss_sum += self._pipeline_step(batches, train=True)
+            batches = []  # the schedule ran every microbatch
         for m, (inputs, labels) in enumerate(batches):
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if hasattr(self.model, "set_requires_gradient_sync"):
@@ -172,7 +192,7 @@ class Trainer:
             loss_sum += _scalar(loss.detach()).float()
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
-        gn = grad_norm(self.params).item()
+        gn = grad_norm(self.params, [self.pp_group] if self.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         if finite:
             clip_grads(self.params, self.cfg.training.max_norm, torch.tensor(gn))
@@ -190,13 +210,32 @@ class Trainer:
         self.scheduler.step()
         return loss_val, gn, finite
 
+    def _pipeline_step(self, batches, train: bool) -> torch.Tensor:
+        """One schedule run over the step's sequences; the loss (mean over microbatches) is known
+        on the last stage's rank and summed over the pipeline group so every rank holds it."""
+        inputs = torch.cat([b[0] for b in batches]).to(self.device)
+        labels = torch.cat([b[1] for b in batches]).to(self.device)
+        losses = []
+        args = (inputs,) if self.has_first else ()
+        kw = {"target": labels, "losses": losses} if self.has_last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kw)
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.pp_group)
+        return loss
+
     @torch.no_grad()
     def evaluate(self) -> float:
         from torchmeg.data import build_loader
         v, t = self.cfg.validation, self.cfg.training
-        loader = build_loader(self.val_set, t.local_batch_size, self.dims.dp, self.dp_rank, 1, 0, v.steps)
+        accum = self.accum if self.schedule is not None else 1  # a schedule step takes local x accum sequences
+        loader = build_loader(self.val_set, t.local_batch_size, self.dims.dp, self.dp_rank, accum, 0, v.steps)
         self.model.eval()
         total = torch.zeros((), device=self.device)
+        if self.schedule is not None:
+            it = iter(loader)
+            for _ in range(v.steps):
+                total += self._pipeline_step([next(it) for _ in range(accum)], train=False)
+            loader = []
         for inputs, labels in loader:
             with self._ctx():
                 total += _scalar(self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))).float()
@@ -219,7 +258,8 @@ class Trainer:
             f"at seq {c.data.seq_len}",
             f"data       {c.data.dataset} ({self.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
             f"{self.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
-            f"layout     {d.describe()} | {self.device.type} ({backend}) | {c.training.mixed_precision}",
+            f"layout     {d.describe()} | {self.device.type} ({backend}) | {c.training.mixed_precision}"
+            + (f" | {self.stage_desc}" if self.schedule is not None else ""),
             f"batch      {c.training.local_batch_size} seq x dp {d.dp} x accum {self.accum} = {self.global_batch} "
             f"seq = {self.global_batch * c.data.seq_len:,} tokens/step, {c.training.steps} steps",
             f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
@@ -343,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         validate(cfg)
     except ConfigError as e:
-        print(f"torchmeg: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one of them says why
+            print(f"torchmeg: error: {e}", file=sys.stderr)
         return 2
     trainer = None
     try:

@@ -73,6 +73,9 @@ class ParallelDims:
     def check_model(self, args, cfg) -> None:
         """Degrees that must divide model sizes."""
         from torchmeg.config import ConfigError
+        if self.pp > 1:
+            from torchmeg.parallel.pipeline import check
+            check(cfg, args, self.pp)
         tp = self.tp
         if tp > 1:
             for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),

@@ -39,7 +39,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         if tp_plan is None:
             from torchmeg.models import get_spec
             tp_plan = get_spec(cfg.model.name).tp_plan
-        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel, float8_tp)
+        # Under PP the last stage's logits feed the schedule's loss: keep them gathered.
+        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel and dims.pp == 1, float8_tp)
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if cfg.activation_checkpoint.mode != "none":

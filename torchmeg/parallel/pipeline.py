@@ -1,0 +1,147 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stage split + schedule, no scheduler of our own.
+
+Split: a registry model is copied (on the meta device, so copies are free) once per local stage
+and each copy drops what other stages own — layers outside its range, the embedding unless it is
+the first stage, the final norm and output unless it is the last (which modules those are is data
+in the registry entry: `pp_first`, `pp_last`). Names are untouched, so a stage's parameters carry
+the same FQNs as in the whole model: initialisation and checkpoints do not depend on the split.
+
+Stage placement: looped schedules give rank r stages r, r+pp, ...; V schedules give it stages r and
+2*pp-1-r, so the first and last stage share rank 0 (Qi et al. 2024, ZB-V; DeepSeek-V3's DualPipe).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+SINGLE = ("GPipe", "1F1B")
+LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+
+
+def plan_stages(cfg, n_layers: int, pp: int) -> tuple[int, list[int]]:
+    """(stages per rank, layers of each stage) from the recipe; one-line errors for bad splits."""
+    from torchmeg.config import ConfigError
+    p = cfg.parallelism
+    sched, lps = p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage
+    key = "parallelism.pipeline_parallel_layers_per_stage"
+    if isinstance(lps, list):
+        if not lps or not all(isinstance(n, int) and n >= 0 for n in lps) or sum(lps) != n_layers:
+            raise ConfigError(f"{key} = {lps!r}: needs non-negative layer counts summing to model.n_layers = {n_layers}")
+        if len(lps) % pp:
+            raise ConfigError(f"{key} = {lps!r}: {len(lps)} stages do not divide over pipeline_parallel_degree = {pp}; "
+                              f"give a multiple of {pp} entries")
+        if any(n == 0 for n in lps[1:-1]):
+            raise ConfigError(f"{key} = {lps!r}: only the first and last stage may hold no layers")
+        counts = list(lps)
+    elif lps > 0:
+        if n_layers % lps or (n_layers // lps) % pp:
+            raise ConfigError(f"{key} = {lps}: model.n_layers = {n_layers} does not split into a multiple of "
+                              f"pipeline_parallel_degree = {pp} stages of {lps} layers")
+        counts = [lps] * (n_layers // lps)
+    elif lps == -1:
+        stages = pp * (1 if sched in SINGLE else 2)
+        if n_layers % stages:
+            raise ConfigError(f"parallelism.pipeline_parallel_degree = {pp}: model.n_layers = {n_layers} does not split "
+                              f"evenly into {stages} stages for {sched}; set {key} to a list, e.g. "
+                              f"{_uneven_example(n_layers, stages)}")
+        counts = [n_layers // stages] * stages
+    else:
+        raise ConfigError(f"{key} = {lps}: use -1 (even split), a positive layer count, or a list per stage")
+    v = len(counts) // pp
+    if sched in SINGLE and v != 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched!r}: runs one stage per rank but the split "
+                          f"gives {v}; use Interleaved1F1B / InterleavedZeroBubble / ZBVZeroBubble / DualPipeV, or "
+                          f"{pp} stages")
+    if sched in V_SHAPED and v != 2:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched!r}: needs exactly 2 stages per rank "
+                          f"(2 x pipeline_parallel_degree = {2 * pp} stages); the split gives {len(counts)}")
+    if sched in LOOPED and v < 2:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched!r}: needs virtual stages (>= 2 per rank, "
+                          f"{2 * pp} stages here); the split gives {len(counts)}")
+    return v, counts
+
+
+def _uneven_example(n_layers: int, stages: int) -> list[int]:
+    base, extra = divmod(n_layers, stages)
+    return [base + (1 if i >= stages - extra else 0) for i in range(stages)]
+
+
+def microbatches(cfg, pp: int, v: int, accum: int) -> int:
+    """Microbatches per schedule step (the step covers local_batch x accum sequences)."""
+    from torchmeg.config import ConfigError
+    p, t = cfg.parallelism, cfg.training
+    n = p.pipeline_parallel_microbatches
+    n = pp * v if n == -1 else n
+    if n < pp:
+        raise ConfigError(f"parallelism.pipeline_parallel_microbatches = {n}: too few to fill {pp} pipeline ranks; "
+                          f"use at least {pp}")
+    if t.local_batch_size % n:
+        raise ConfigError(f"parallelism.pipeline_parallel_microbatches = {n}: must divide training.local_batch_size = "
+                          f"{t.local_batch_size}")
+    return n * accum
+
+
+def check(cfg, args, pp: int) -> None:
+    from torchmeg.config import ConfigError
+    if getattr(args, "tie_embeddings", False):
+        raise ConfigError("model.tie_embeddings = true: the embedding (first stage) and output (last stage) cannot "
+                          "share a weight under pipeline parallelism; set it to false")
+    v, _ = plan_stages(cfg, args.n_layers, pp)
+    microbatches(cfg, pp, v, 1)
+
+
+def stage_ids(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(v)]
+
+
+def split_model(model: nn.Module, spec, counts: list[int], ids: list[int]) -> list[nn.Module]:
+    keys = list(getattr(model, spec.layers_attr).keys())
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    parts = []
+    for s in ids:
+        part = copy.deepcopy(model)
+        keep = set(keys[starts[s]:starts[s] + counts[s]])
+        layers = getattr(part, spec.layers_attr)
+        for k in keys:
+            if k not in keep:
+                del layers[k]
+        if s != 0:
+            for name in spec.pp_first:
+                setattr(part, name, None)
+        if s != len(counts) - 1:
+            for name in spec.pp_last:
+                setattr(part, name, None)
+        parts.append(part)
+    return parts
+
+
+class StageUnion(nn.Module):
+    """This rank's stages seen as one model with the original FQNs (layers merged, first/last
+    modules where they live): for the optimizer, grad norms, state size and checkpoints."""
+
+    def __init__(self, parts: list[nn.Module], layers_attr: str = "layers"):
+        super().__init__()
+        merged = nn.ModuleDict()
+        for part in parts:
+            for name, child in part.named_children():
+                if name == layers_attr:
+                    merged.update(child)
+                elif child is not None:
+                    self.add_module(name, child)
+        self.add_module(layers_attr, merged)
+
+
+def build_schedule(parts, ids, n_stages: int, device: torch.device, pp_group, n_micro: int, loss_fn, schedule: str):
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import get_schedule_class
+    stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, ids)]
+    cls = get_schedule_class(schedule)
+    # scale_grads: gradients are divided by the microbatch count, matching a per-microbatch mean loss.
+    if schedule in SINGLE:
+        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
