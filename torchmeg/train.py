@@ -180,7 +180,7 @@ class Trainer:
             loss_sum += self._pipeline_step(batches, train=True)
             batches = []  # the schedule ran every microbatch
         for m, (inputs, labels) in enumerate(batches):
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            inputs, labels = self._local(inputs), self._local(labels)
             if hasattr(self.model, "set_requires_gradient_sync"):
                 # Reduce gradients once, after the last microbatch.
                 self.model.set_requires_gradient_sync(m == self.accum - 1)
@@ -210,6 +210,14 @@ class Trainer:
         self.scheduler.step()
         return loss_val, gn, finite
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
+        t = t.to(self.device)
+        if self.dims.cp > 1:
+            from torchmeg.parallel.context import shard_sequence
+            t = shard_sequence(t, self.mesh["cp"].get_local_rank(), self.dims.cp)
+        return t
+
     def _pipeline_step(self, batches, train: bool) -> torch.Tensor:
         """One schedule run over the step's sequences; the loss (mean over microbatches) is known
         on the last stage's rank and summed over the pipeline group so every rank holds it."""
@@ -238,7 +246,7 @@ class Trainer:
             loader = []
         for inputs, labels in loader:
             with self._ctx():
-                total += _scalar(self.loss_fn(self.model(inputs.to(self.device)), labels.to(self.device))).float()
+                total += _scalar(self.loss_fn(self.model(self._local(inputs)), self._local(labels))).float()
         self.model.train()
         dist.all_reduce(total, group=self.loss_group)
         return total.item() / (v.steps * dist.get_world_size(self.loss_group))

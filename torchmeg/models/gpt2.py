@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.llama import causal_attention
+
 
 @dataclass
 class GPT2Args:
@@ -42,6 +44,7 @@ class Attention(nn.Module):
     def __init__(self, a: GPT2Args):
         super().__init__()
         self.head_dim = a.head_dim
+        self.sdpa = causal_attention  # swappable kernel, see llama.Attention
         self.wq = nn.Linear(a.dim, a.dim, bias=a.bias)
         self.wk = nn.Linear(a.dim, a.dim, bias=a.bias)
         self.wv = nn.Linear(a.dim, a.dim, bias=a.bias)
@@ -50,7 +53,7 @@ class Attention(nn.Module):
     def forward(self, x_BLE: torch.Tensor) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         q, k, v = (w(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = self.sdpa(q, k, v)
         return self.wo(o.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -103,9 +106,9 @@ class GPT2(nn.Module):
         else:
             t.normal_(0.0, a.init_std, generator=gen)
 
-    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.tok_embeddings is not None:
-            pos = torch.arange(tokens_BL.shape[1], device=tokens_BL.device)
+            pos = positions if positions is not None else torch.arange(tokens_BL.shape[1], device=tokens_BL.device)
             h = self.tok_embeddings(tokens_BL) + self.pos_embeddings(pos)
         else:
             h = tokens_BL

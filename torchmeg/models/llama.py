@@ -53,10 +53,17 @@ def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple
     return ang.cos().float(), ang.sin().float()
 
 
-def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does."""
+def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
+               positions_L: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does.
+
+    positions: the absolute position of each of the L tokens (default 0..L-1), e.g. when the
+    sequence is split across devices.
+    """
     B, L, H, D = x_BLHD.shape
     x = x_BLHD.float().reshape(B, L, H, D // 2, 2)
+    if positions_L is not None:
+        cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
     c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
     out = torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c), dim=-1)
     return out.reshape(B, L, H, D).type_as(x_BLHD)
@@ -72,26 +79,34 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def causal_attention(q_BHLD, k_BHLD, v_BHLD):
+    return F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.head_dim = a.head_dim
+        # The attention kernel is an attribute so a parallelism (context parallel) can swap in
+        # its own without the model knowing about devices.
+        self.sdpa = causal_attention
         self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
         self.wk = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
-    def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
-        q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin)
-        k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin)
+        q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
+        k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
         rep = q_BLHD.shape[2] // k_BLKD.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
         if rep > 1:  # GQA: each kv head serves `rep` query heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        o_BHLD = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o_BHLD = self.sdpa(q, k, v)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -116,8 +131,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, positions=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -156,9 +171,9 @@ class Llama(nn.Module):
         else:
             t.normal_(0.0, a.init_std, generator=gen)
 
-    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, self.rope_cos, self.rope_sin, positions=positions)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h

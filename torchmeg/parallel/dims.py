@@ -76,6 +76,9 @@ class ParallelDims:
         if self.pp > 1:
             from torchmeg.parallel.pipeline import check
             check(cfg, args, self.pp)
+        if self.cp > 1:
+            from torchmeg.parallel.context import check as check_cp
+            check_cp(cfg, self)
         tp = self.tp
         if tp > 1:
             for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),

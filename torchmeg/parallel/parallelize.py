@@ -43,6 +43,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel and dims.pp == 1, float8_tp)
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
+    if dims.cp > 1:
+        from torchmeg.parallel.context import apply_cp
+        apply_cp(model, mesh["cp"])
     if cfg.activation_checkpoint.mode != "none":
         from torchmeg.recompute import apply_recompute
         apply_recompute(model, cfg.activation_checkpoint)
