@@ -7,7 +7,7 @@ import pytest
 from conftest import ROOT
 from torchmeg.config import load_config, validate
 
-WORLD = {"llama3_8b": 8, "llama3_70b": 64}
+WORLD = {"llama3_8b": 8, "llama3_70b": 64, "llama3_8b_long_context": 32}
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml"))))

@@ -6,7 +6,6 @@ feature lands; the error stays one clear line naming the key.
 from __future__ import annotations
 
 _PENDING = [
-    ("parallelism.expert_parallel_degree", lambda c: c.parallelism.expert_parallel_degree > 1, "use 1"),
     ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf and c.model.name != "llama",
      "HF export supports model.name = \"llama\"; set it to false"),
 ]

@@ -159,6 +159,8 @@ def format_line(r: dict) -> str:
     s = (f"step {r['step']:>5} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | "
          f"tok/s {r['tokens_per_sec']:,.0f} | tflops {r['tflops']:.3f} | mfu {100 * r['mfu']:.1f}% | "
          f"mem {r['memory_gib']:.2f} GiB | {r['elapsed_ms']:.0f} ms")
+    if "moe_imbalance" in r:
+        s += f" | experts max/mean {r['moe_imbalance']:.2f}"
     if "val_loss" in r:
         s += f" | val_loss {r['val_loss']:.4f}"
     if r.get("skipped"):

@@ -78,7 +78,7 @@ class Trainer:
     def __init__(self, cfg: Config):
         from torchmeg.data import build_dataset, build_loader, build_tokenizer, open_stores
         from torchmeg.metrics import MetricsLogger, peak_flops
-        from torchmeg.models import build_model, count_params, flops_per_token, get_spec, materialize
+        from torchmeg.models import active_params, build_model, count_params, flops_per_token, get_spec, materialize
         from torchmeg.optim import build_lr_scheduler, build_optimizer
         from torchmeg.parallel import ParallelDims
         from torchmeg.parallel.parallelize import parallelize
@@ -115,6 +115,7 @@ class Trainer:
         self.args = model.args
         self.n_params = count_params(model)
         self.n_params_dense = count_params(model, exclude_embeddings=True)
+        self.n_params_active = active_params(model)
         self.flops_per_token = flops_per_token(model, model.args, cfg.data.seq_len)
         self.schedule, self.pp_group = None, mesh["pp"].get_group()
         if dims.pp > 1:
@@ -137,6 +138,10 @@ class Trainer:
             materialize(model, self.device, cfg.job.seed, shard=_local_shard)
         self.model = model
         self.params = [p for p in model.parameters()]
+        self.moe_layers = [m for m in model.modules() if hasattr(m, "update_bias")]
+        from torchmeg.parallel.expert import expert_modules
+        self.expert_params = [p for m in expert_modules(model) for p in m.parameters()] if dims.ep > 1 else []
+        self.router_stats = {}
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
 
@@ -192,6 +197,12 @@ class Trainer:
             loss_sum += _scalar(loss.detach()).float()
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
+        if self.expert_params:
+            # Expert grads already sum the tokens of the whole ep group: divide by ep to match
+            # the data-parallel mean that FSDP applies to every other gradient.
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.dims.ep)
         gn = grad_norm(self.params, [self.pp_group] if self.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         if finite:
@@ -208,7 +219,20 @@ class Trainer:
                                      f"(training.on_nonfinite = \"stop\")")
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        self._route_stats_and_balance()
         return loss_val, gn, finite
+
+    def _route_stats_and_balance(self) -> None:
+        """MoE: global tokens per expert this step -> load-balancing bias update and router stats."""
+        if not self.moe_layers:
+            return
+        loads = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # [moe layers, experts]
+        dist.all_reduce(loads, group=self.loss_group)
+        for m, load in zip(self.moe_layers, loads):
+            m.update_bias(load)
+            m.tokens_per_expert.zero_()
+        imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-9)).mean().item()
+        self.router_stats = {"moe_imbalance": imbalance, "tokens_per_expert": loads.sum(0).tolist()}
 
     def _local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
@@ -248,6 +272,8 @@ class Trainer:
             with self._ctx():
                 total += _scalar(self.loss_fn(self.model(self._local(inputs)), self._local(labels))).float()
         self.model.train()
+        for m in self.moe_layers:  # evaluation traffic is not training load
+            m.tokens_per_expert.zero_()
         dist.all_reduce(total, group=self.loss_group)
         return total.item() / (v.steps * dist.get_world_size(self.loss_group))
 
@@ -261,7 +287,9 @@ class Trainer:
         lines = [
             f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
             f"model      {c.model.name}/{c.model.flavor}: {self.n_params / 1e6:.2f}M params "
-            f"({self.n_params_dense / 1e6:.2f}M non-embedding), {a.n_layers} layers, dim {a.dim}, "
+            f"({self.n_params_dense / 1e6:.2f}M non-embedding"
+            + (f", {self.n_params_active / 1e6:.2f}M active per token" if self.n_params_active != self.n_params else "")
+            + f"), {a.n_layers} layers, dim {a.dim}, "
             f"heads {a.n_heads}/{a.kv_heads}, vocab {a.vocab_size}; {self.flops_per_token / 1e6:.1f} MFLOP/token "
             f"at seq {c.data.seq_len}",
             f"data       {c.data.dataset} ({self.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
@@ -309,6 +337,7 @@ class Trainer:
                 row["memory_gib_max"] = mem.item()
                 if self.state_bytes is not None:
                     row["model_state_mib"] = self.state_bytes / 2 ** 20
+                row.update(self.router_stats)
                 if val is not None:
                     row["val_loss"] = val
                 if not stepped:

@@ -16,6 +16,7 @@ from torch import nn
 
 from torchmeg.models.gpt2 import GPT2, GPT2Args
 from torchmeg.models.llama import Llama, LlamaArgs
+from torchmeg.models.moe import MoEArgs, MoETransformer
 
 
 @dataclass
@@ -76,6 +77,23 @@ GPT2_FLAVORS = {
     "1.5B": dict(dim=1600, n_layers=48, n_heads=25, vocab_size=_GPT2_VOCAB),
 }
 
+MOE_FLAVORS = {
+    # CPU-sized: 8 experts, top-2, one shared expert, aux-loss-free balancing (DeepSeek-V3 style;
+    # its bias step is 10x DeepSeek's 1e-3 so balance shows within a 150-step run).
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=64, rope_theta=10000.0,
+                  max_seq_len=2048, n_experts=8, top_k=2, moe_hidden=128, n_shared_experts=1,
+                  score_func="sigmoid", balance="bias", bias_update_rate=0.01, n_dense_layers=1),
+    "mixtral-8x7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, rope_theta=1e6,
+                         max_seq_len=32768, n_experts=8, top_k=2, moe_hidden=14336, score_func="softmax",
+                         balance="aux_loss", aux_loss_coef=0.02, multiple_of=1024, ffn_dim_multiplier=1.3),
+    # DeepSeek-V3's MoE shape (256 routed + 1 shared expert, top-8, sigmoid scores, aux-loss-free,
+    # 3 dense layers) on GQA attention — torchmeg has no MLA, hence "-like".
+    "deepseek-v3-like": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                             rope_theta=10000.0, max_seq_len=163840, n_experts=256, top_k=8, moe_hidden=2048,
+                             n_shared_experts=1, score_func="sigmoid", balance="bias", n_dense_layers=3,
+                             multiple_of=256, ffn_dim_multiplier=3.86),
+}
+
 REGISTRY: dict[str, ModelSpec] = {}
 
 
@@ -91,6 +109,12 @@ register(ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS,
 register(ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS,
                    tp_plan=[("tok_embeddings", "embedding_replicate"), ("layers.0", "sp_enter")] + _DECODER_TP,
                    pp_first=("tok_embeddings", "pos_embeddings")))
+
+
+# MoE: attention and dense FFNs as in Llama; the routed block's input is gathered and its output
+# re-sharded, so experts stay whole on every TP rank (their parallelism is EP).
+register(ModelSpec("moe", MoETransformer, MoEArgs, MOE_FLAVORS,
+                   tp_plan=[("tok_embeddings", "embedding")] + _DECODER_TP + [("layers.*.moe", "sp_replicated")]))
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -255,4 +279,16 @@ def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
         if isinstance(m, nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             n += m.weight.numel()
+        elif hasattr(m, "n_experts") and hasattr(m, "w1"):  # grouped experts: only top_k of them run
+            n += (m.w1.numel() + m.w2.numel() + m.w3.numel()) * m.top_k // m.n_experts
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters a token actually uses (MoE: top_k of the routed experts)."""
+    n = count_params(model)
+    for m in model.modules():
+        if hasattr(m, "n_experts") and hasattr(m, "w1"):
+            total = m.w1.numel() + m.w2.numel() + m.w3.numel()
+            n -= total - total * m.top_k // m.n_experts
+    return n

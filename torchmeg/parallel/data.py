@@ -29,10 +29,20 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forward: bool) -> nn.Module:
-    """fully_shard each block, then the root (embeddings, final norm, output)."""
+def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forward: bool,
+               expert_mesh=None) -> nn.Module:
+    """fully_shard each block, then the root (embeddings, final norm, output).
+
+    expert_mesh: with expert parallelism, expert weights are already sharded over `ep`; their own
+    FSDP unit shards them over the remaining `efsdp` ranks, nested inside the block's unit.
+    """
     kw = dict(mesh=mesh, mp_policy=mp_policy(mixed_precision))
     for block in blocks(model):
+        if expert_mesh is not None:
+            for m in block.modules():
+                if hasattr(m, "n_experts") and hasattr(m, "w1"):
+                    fully_shard(m, mesh=expert_mesh, mp_policy=mp_policy(mixed_precision),
+                                reshard_after_forward=reshard_after_forward)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root's parameters are needed right at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kw)

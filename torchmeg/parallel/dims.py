@@ -5,6 +5,7 @@ neighbours — on a GPU node, the NVLink domain). Flattened views:
   dp          = dp_replicate x dp_shard      ranks that read different data
   dp_shard_cp = dp_shard x cp                what FSDP shards parameters over
   dp_cp       = dp_replicate x dp_shard x cp what the loss is averaged over
+With expert parallel, a second mesh over the same ranks splits dp_shard x cp into (efsdp, ep).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class ParallelDims:
         return self.dp > 1
 
     def describe(self) -> str:
-        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(self, n) > 1]
+        parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(self, n) > 1]
         return f"world {self.world_size}: " + (", ".join(parts) if parts else "single device")
 
     def check_model(self, args, cfg) -> None:
@@ -79,6 +80,9 @@ class ParallelDims:
         if self.cp > 1:
             from torchmeg.parallel.context import check as check_cp
             check_cp(cfg, self)
+        if self.ep > 1:
+            from torchmeg.parallel.expert import check as check_ep
+            check_ep(cfg, args, self)
         tp = self.tp
         if tp > 1:
             for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
@@ -102,4 +106,10 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.ep_mesh = None
+        if self.ep > 1:
+            # The same ranks with dp_shard x cp regrouped as (efsdp, ep), ep innermost.
+            self.ep_mesh = init_device_mesh(
+                device_type, (self.pp, self.dp_replicate, self.fsdp // self.ep, self.ep, self.tp),
+                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
         return mesh

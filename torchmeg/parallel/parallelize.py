@@ -3,7 +3,7 @@
   0. float8 (torchao)             swaps nn.Linear for Float8Linear first, so that step 1 can
                                   choose torchao's Float8 TP styles for the converted layers
   1. tensor / sequence parallel   DTensor plans need the un-wrapped modules
-  2. context, expert parallel     (later issues)
+  2. context parallel, expert parallel (swap attention / expert dispatch; shard experts over ep)
   4. activation recompute         wraps blocks
   5. torch.compile per block      after recompute wrapping, before FSDP so its hooks stay outside
   6. data parallel                FSDP2 per block then root, HSDP or DDP; mixed precision
@@ -46,6 +46,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     if dims.cp > 1:
         from torchmeg.parallel.context import apply_cp
         apply_cp(model, mesh["cp"])
+    expert_mesh = None
+    if dims.ep > 1:
+        from torchmeg.parallel.expert import apply_ep
+        apply_ep(model, dims.ep_mesh["ep"])
+        expert_mesh = dims.ep_mesh["efsdp"]
     if cfg.activation_checkpoint.mode != "none":
         from torchmeg.recompute import apply_recompute
         apply_recompute(model, cfg.activation_checkpoint)
@@ -57,7 +62,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
     if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, p.fsdp_reshard_after_forward)
+        apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, p.fsdp_reshard_after_forward, expert_mesh)
     elif dims.dp_replicate > 1:
         apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision)
     return model

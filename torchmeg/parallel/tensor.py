@@ -8,6 +8,8 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
   sp_norm              a norm run on sequence shards (SP only; Korthikanti et al. 2022, sec. 4.2.2)
   sp_input             a module (attention, MLP) whose first input is sequence-sharded and must be
                        all-gathered before its column-parallel projections (SP only)
+  sp_replicated        a module computed whole on every TP rank: input gathered, output re-sharded
+                       (SP only; MoE experts, which EP parallelises instead)
   colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
   output               column-parallel LM head: vocab-sharded logits for loss_parallel, else gathered
 """
@@ -22,7 +24,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
 
-ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_input", "colwise", "rowwise", "output")
+ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_input", "sp_replicated", "colwise", "rowwise",
+         "output")
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -64,6 +67,12 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
                                use_local_output=not loss_parallel)
     if not sp:
         return None
+    if role == "sp_replicated":
+        # Whole-sequence module run redundantly on every TP rank (e.g. MoE experts, parallelised by EP).
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+        return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_input=True, output_layouts=(Replicate(),),
+                                        desired_output_layouts=(Shard(1),), use_local_output=True)
     if role == "sp_norm":
         return SequenceParallel()
     rest = (None,) * (_n_positional(module) - 1)

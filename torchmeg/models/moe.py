@@ -1,0 +1,166 @@
+"""Mixture-of-Experts decoder: Llama attention + routed SwiGLU experts (Mixtral / DeepSeek-V3 style).
+
+Architecture only. Per MoE block: a router scores every token against E experts (softmax or
+sigmoid), picks the top k, and the token's output is the score-weighted sum of those experts'
+SwiGLU outputs (Shazeer et al. 2017; Fedus et al. 2021), plus optional always-on shared experts
+(DeepSeekMoE, Dai et al. 2024). Routing is dropless: every chosen (token, expert) pair is computed.
+Load balancing, chosen by `balance`:
+  aux_loss  Switch's auxiliary loss  coef * E * sum_e f_e * P_e  (f = share of routed tokens,
+            P = mean router probability), added to the gradient without changing the output
+  bias      DeepSeek-V3's aux-loss-free balancing: a per-expert bias shifts which experts are
+            selected (not their weights) and is nudged after each step toward under-used experts
+Experts are grouped 3-D weights [E, ...]; tokens are sorted by expert and each expert runs one
+matmul over its contiguous slice (a loop over experts, never over tokens). `experts.dispatch`
+is the swappable part: expert parallelism replaces it with an all-to-all version.
+Legend: T tokens, D model dim, H expert hidden, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchmeg.models.llama import Attention, FeedForward, Llama, LlamaArgs, RMSNorm
+
+
+@dataclass
+class MoEArgs(LlamaArgs):
+    n_experts: int = 8
+    top_k: int = 2
+    moe_hidden: int = 14336
+    n_shared_experts: int = 0
+    score_func: str = "softmax"         # softmax | sigmoid
+    route_norm: bool = True             # renormalise the k selected scores to sum to 1
+    balance: str = "aux_loss"           # aux_loss | bias | none
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+    n_dense_layers: int = 0             # the first layers keep a dense FFN (DeepSeek-V3: 3)
+
+
+def expert_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts: list[int]) -> torch.Tensor:
+    """SwiGLU of each expert over its contiguous slice of expert-sorted tokens."""
+    outs = [(F.silu(x @ w1_EDH[e]) * (x @ w3_EDH[e])) @ w2_EHD[e]
+            for e, x in enumerate(torch.split(x_TD, counts)) if x.shape[0]]
+    return torch.cat(outs) if outs else x_TD.new_zeros(0, w2_EHD.shape[-1])
+
+
+def local_dispatch(experts: "GroupedExperts", x_TD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return expert_ffn(experts.w1, experts.w2, experts.w3, x_TD, counts.tolist())
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k  # top_k: for counting active FLOPs
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.dispatch = local_dispatch
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        return self.dispatch(self, x_TD, counts_E)
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; in backward, also sends gradient 1 into `aux` (so the auxiliary
+    loss trains the router without changing the logits or the reported loss)."""
+
+    @staticmethod
+    def forward(ctx, out, aux):
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)
+
+
+class MoE(nn.Module):
+    def __init__(self, a: MoEArgs):
+        super().__init__()
+        self.a = a
+        self.router = nn.Linear(a.dim, a.n_experts, bias=False)
+        self.experts = GroupedExperts(a.dim, a.moe_hidden, a.n_experts, a.top_k)
+        self.shared = FeedForward(a.dim, a.moe_hidden * a.n_shared_experts) if a.n_shared_experts else None
+        # Selection bias (aux-loss-free balancing) and this step's routed-token counts: buffers,
+        # so they are checkpointed and follow the module's device.
+        self.register_buffer("expert_bias", torch.zeros(a.n_experts))
+        self.register_buffer("tokens_per_expert", torch.zeros(a.n_experts), persistent=False)
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        B, L, D = x_BLD.shape
+        x = x_BLD.reshape(-1, D)
+        logits = self.router(x).float()
+        scores = logits.softmax(-1) if self.a.score_func == "softmax" else logits.sigmoid()
+        select = scores + self.expert_bias if self.a.balance == "bias" else scores
+        _, idx_TK = select.topk(self.a.top_k, dim=-1)
+        w_TK = scores.gather(-1, idx_TK)
+        if self.a.route_norm:
+            w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        counts = torch.bincount(idx_TK.flatten(), minlength=self.a.n_experts)
+        with torch.no_grad():
+            self.tokens_per_expert += counts.float()
+        # Sort the T*K (token, expert) pairs by expert; run the experts; scatter back, weighted.
+        order = idx_TK.flatten().argsort(stable=True)
+        token_of = order // self.a.top_k
+        y_sorted = self.experts(x[token_of], counts)
+        y = torch.zeros_like(x).index_add_(0, token_of, (y_sorted.float() * w_TK.flatten()[order, None]).type_as(x))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if self.training and self.a.balance == "aux_loss" and self.a.aux_loss_coef > 0:
+            f = counts.float() / idx_TK.numel()
+            p = scores.mean(0) if self.a.score_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).mean(0)
+            y = _AuxLoss.apply(y, self.a.aux_loss_coef * self.a.n_experts * (f * p).sum())
+        return y.view(B, L, D)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """DeepSeek-V3 eq. (16)-ish: raise the bias of under-loaded experts, lower the over-loaded."""
+        if self.a.balance == "bias":
+            self.expert_bias += self.a.bias_update_rate * torch.sign(load_E.mean() - load_E)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, a: MoEArgs, layer: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        dense = layer < a.n_dense_layers
+        self.feed_forward = FeedForward(a.dim, a.ffn_hidden) if dense else None
+        self.moe = None if dense else MoE(a)
+
+    def forward(self, x, cos, sin, positions=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions)
+        h = self.ffn_norm(x)
+        return x + (self.feed_forward(h) if self.moe is None else self.moe(h))
+
+
+class MoETransformer(Llama):
+    """Llama with MoE blocks; embeddings, RoPE, final norm and output are Llama's."""
+
+    def __init__(self, args: MoEArgs):
+        super().__init__(args)
+        self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
+
+    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
+        a = self.args
+        if fqn.endswith(("experts.w1", "experts.w3")):
+            t.normal_(0.0, a.init_std, generator=gen)
+        elif fqn.endswith("experts.w2"):
+            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
+        else:
+            super().param_init(fqn, t, gen)
+
+    def init_buffers(self) -> None:
+        super().init_buffers()
+        for m in self.moe_layers():
+            m.expert_bias.zero_()
+            m.tokens_per_expert.zero_()
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.modules() if isinstance(m, MoE)]

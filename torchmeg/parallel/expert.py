@@ -1,0 +1,86 @@
+"""Expert parallelism: each rank of the `ep` group owns n_experts / ep whole experts; tokens travel
+to their experts and back with two all-to-alls (GShard, Lepikhin et al. 2020).
+
+The ep group is carved out of dp_shard x cp (torchtitan's scheme: EP borrows data-parallel ranks
+and adds none): those F ranks are viewed as (efsdp, ep) with ep innermost. Expert weights are
+DTensors sharded on dim 0 over `ep` and FSDP-sharded over `efsdp`; everything else is sharded
+over all F ranks as usual.
+
+Dispatch, per MoE layer: (1) exchange per-expert token counts (all_to_all_single on a small int
+tensor), (2) send every (token, expert) pair to the expert's owner — all_to_all_single with
+uneven splits, autograd-aware, the only variant gloo accepts — (3) group received tokens by local
+expert and run them, (4) the reverse all-to-all. The backward of (2)/(4) are the same collectives
+with the splits swapped, so expert gradients sum every rank's tokens; the trainer divides them by
+ep so they match the data-parallel mean (see `expert_grad_scale`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchmeg.models.moe import expert_ffn
+
+
+def is_grouped_experts(m: nn.Module) -> bool:
+    return hasattr(m, "n_experts") and hasattr(m, "dispatch") and hasattr(m, "w1")
+
+
+class AllToAllDispatch:
+    def __init__(self, ep_mesh, n_experts: int):
+        self.group = ep_mesh.get_group()
+        self.ep = ep_mesh.size()
+        self.local = n_experts // self.ep
+
+    def __call__(self, experts: nn.Module, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        ep, El = self.ep, self.local
+        counts = counts_E.to(torch.int64)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [source rank x local expert]
+        send = counts.view(ep, El).sum(1).tolist()
+        recv = recv_counts.view(ep, El).sum(1).tolist()
+        x_recv = all_to_all_single_autograd(x_TD.contiguous(), recv, send, self.group)
+        # Arrivals are ordered (source rank, local expert); regroup by local expert.
+        local_ids = torch.arange(El, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts)
+        order = local_ids.argsort(stable=True)
+        y = expert_ffn(experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local(), x_recv[order],
+                       recv_counts.view(ep, El).sum(0).tolist())
+        y = y[order.argsort()]
+        return all_to_all_single_autograd(y.contiguous(), send, recv, self.group)
+
+
+def apply_ep(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
+    """Shard every grouped-experts module over `ep_mesh`; returns the expert parameters."""
+    params = []
+    for m in model.modules():
+        if not is_grouped_experts(m):
+            continue
+        for name in ("w1", "w2", "w3"):
+            p = nn.Parameter(distribute_tensor(getattr(m, name).data, ep_mesh, [Shard(0)], src_data_rank=None))
+            setattr(m, name, p)
+            params.append(p)
+        m.dispatch = AllToAllDispatch(ep_mesh, m.n_experts)
+    return params
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if is_grouped_experts(m)]
+
+
+def check(cfg, args, dims) -> None:
+    from torchmeg.config import ConfigError
+    ep = dims.ep
+    key = f"parallelism.expert_parallel_degree = {ep}"
+    if not hasattr(args, "n_experts"):
+        raise ConfigError(f"{key}: model.name = {cfg.model.name!r} has no experts; use model.name = \"moe\" or 1")
+    if args.n_experts % ep:
+        raise ConfigError(f"{key}: does not divide model.n_experts = {args.n_experts}")
+    if dims.fsdp % ep:
+        raise ConfigError(f"{key}: EP borrows ranks from data_parallel_shard_degree x context_parallel_degree = "
+                          f"{dims.fsdp}; pick a divisor of it")
+    for what, n in (("data_parallel_replicate_degree", dims.dp_replicate), ("tensor_parallel_degree", dims.tp),
+                    ("pipeline_parallel_degree", dims.pp)):
+        if n > 1:
+            raise ConfigError(f"{key} with parallelism.{what} = {n}: not yet supported; use EP with FSDP / CP only")
