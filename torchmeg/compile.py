@@ -23,8 +23,11 @@ def setup(cache_dir: str = "") -> None:
 
 def compile_blocks(model: nn.Module, tp: bool = False) -> None:
     for block in blocks(model):
-        # In place (nn.Module.compile): parameter names stay as the model wrote them.
-        block.compile(fullgraph=True)
+        # In place (nn.Module.compile): parameter names stay as the model wrote them. Dropless MoE
+        # routing sizes each expert's slice from the data (a graph break), so MoE blocks compile
+        # in pieces; every other block must compile whole.
+        moe = any(hasattr(m, "n_experts") for m in block.modules())
+        block.compile(fullgraph=not moe)
     if tp and getattr(model, "tok_embeddings", None) is not None:
         # A compiled TP block fed straight from the TP embedding fails in backward
         # ('Tensor' object has no attribute '_local_tensor'); a clone of the embedding output
