@@ -61,7 +61,15 @@ def init_distributed(device: torch.device) -> None:
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
         kw = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timeout, **kw)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun's c10d rendezvous shares one TCPStore across restarts, and process-group keys
+        # are the same in every attempt: without a per-attempt prefix a restarted rank reads its
+        # dead peer's address ("connectFullMesh ... Connection refused"). Measured, torch 2.13.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_store, timeout=timeout)
+        store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
