@@ -37,7 +37,7 @@ def _fails(capsys, argv, *must_contain):
     ("--data.dataset=/nonexistent/corpus", ["data.dataset", "/nonexistent/corpus", "preprocess_data"]),
     ("--data.tokenizer=/nonexistent/tok.json", ["data.tokenizer", "/nonexistent/tok.json", "byte"]),
     ("--data.seq_len=100000", ["data.seq_len", "100000", "max_seq_len"]),
-    ("--parallelism.expert_parallel_degree=2", ["parallelism.expert_parallel_degree", "not yet supported"]),
+    ("--checkpoint.export_hf=true", ["checkpoint.export_hf", "checkpoint.enable = true"]),
     ("--optimizer.betas=[0.9]", ["optimizer.betas", "two numbers"]),
     ("--data.weights=[1.0, 2.0]", ["data.weights", "one per"]),
 ])

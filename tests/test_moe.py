@@ -84,6 +84,7 @@ def reference(tmp_path_factory):
     ("ep2", 2, 4, [P + "expert_parallel_degree=2"]),
     ("ep2_fsdp2", 4, 2, [P + "expert_parallel_degree=2"]),
     ("tp2_dense", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
+    ("ep2_tp2", 4, 4, [P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2"]),
 ])
 def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, reference):
     p = run_cli(MOE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)

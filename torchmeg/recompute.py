@@ -6,7 +6,6 @@ selective op  per-op: matmul and attention outputs are saved, cheap pointwise op
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from functools import partial
 
 import torch
@@ -50,8 +49,9 @@ def apply_recompute(model: nn.Module, ac_cfg) -> None:
         raise ValueError("activation recompute needs the model's blocks in `model.layers`")
     every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
     selective_op = ac_cfg.mode == "selective" and ac_cfg.selective_option == "op"
-    counter = defaultdict(int)
-    for name, block in list(layers.named_children()):
-        counter["n"] += 1
-        if counter["n"] % every == 0:
+    for i, (name, block) in enumerate(list(layers.named_children())):
+        # Count by the model's own layer number where it has one, so a pipeline stage holding
+        # layers 4..7 recomputes the same layers as the whole model would.
+        n = int(name) if name.isdigit() else i
+        if (n + 1) % every == 0:
             layers.register_module(name, _wrap(block, selective_op))

@@ -4,7 +4,8 @@ to their experts and back with two all-to-alls (GShard, Lepikhin et al. 2020).
 The ep group is carved out of dp_shard x cp (torchtitan's scheme: EP borrows data-parallel ranks
 and adds none): those F ranks are viewed as (efsdp, ep) with ep innermost. Expert weights are
 DTensors sharded on dim 0 over `ep` and FSDP-sharded over `efsdp`; everything else is sharded
-over all F ranks as usual.
+over all F ranks as usual. With TP, experts run whole on every TP rank (the dense parts are
+TP-sharded), each TP rank dispatching within its own ep group.
 
 Dispatch, per MoE layer: (1) exchange per-expert token counts (all_to_all_single on a small int
 tensor), (2) send every (token, expert) pair to the expert's owner — all_to_all_single with
@@ -80,7 +81,6 @@ def check(cfg, args, dims) -> None:
     if dims.fsdp % ep:
         raise ConfigError(f"{key}: EP borrows ranks from data_parallel_shard_degree x context_parallel_degree = "
                           f"{dims.fsdp}; pick a divisor of it")
-    for what, n in (("data_parallel_replicate_degree", dims.dp_replicate), ("tensor_parallel_degree", dims.tp),
-                    ("pipeline_parallel_degree", dims.pp)):
+    for what, n in (("data_parallel_replicate_degree", dims.dp_replicate), ("pipeline_parallel_degree", dims.pp)):
         if n > 1:
-            raise ConfigError(f"{key} with parallelism.{what} = {n}: not yet supported; use EP with FSDP / CP only")
+            raise ConfigError(f"{key} with parallelism.{what} = {n}: not yet supported; use EP with FSDP / CP / TP")
