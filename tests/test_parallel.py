@@ -48,7 +48,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_llama_layout_matches_single_process(name, tmp_path, reference):
     ranks, local, layout = LAYOUTS[name]
-    run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
+    # The README's TP2 command runs under torchrun itself; the rest use the same worker environment.
+    run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks,
+            torchrun=name == "tp2_sp_loss_parallel")
     compare(reference(), read_metrics(tmp_path), TOL)
 
 
@@ -86,6 +88,6 @@ def test_fsdp4_holds_a_quarter_of_the_state(tmp_path):
 
 def test_bad_layout_fails_before_training(tmp_path):
     p = run_cli(TINY + [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=2"], tmp_path, nproc=2,
-                check=False)
+                check=False, torchrun=True)
     assert p.returncode != 0 and "world size is 2" in p.stderr
     assert "step" not in p.stdout
