@@ -102,3 +102,10 @@ def assert_parity(ref: list[dict], got: list[dict], tol: float = 1e-5, rel: bool
         for k in ("loss", "grad_norm"):
             scale = abs(a[k]) if (rel or k == "grad_norm") and abs(a[k]) > 1 else 1.0
             assert abs(a[k] - b[k]) <= tol * scale, f"step {a['step']} {k}: reference {a[k]!r} vs layout {b[k]!r}"
+
+
+def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
+    """The single-process run a layout is compared against: its logged metrics."""
+    d = tmp_path_factory.mktemp("ref")
+    run_cli(list(args), d)
+    return read_metrics(d)

@@ -1,10 +1,9 @@
 """Compiler-side transforms: torch.compile, activation recompute and float8 train like eager fp32."""
-import copy
 
 import pytest
 import torch
 
-from conftest import assert_parity as compare, TINY, read_metrics, run_cli
+from conftest import reference_run, assert_parity as compare, TINY, read_metrics, run_cli
 from torchmeg.config import load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.recompute import apply_recompute
@@ -21,9 +20,7 @@ def inductor_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory):
-    d = tmp_path_factory.mktemp("eager")
-    run_cli(BASE + ["--training.local_batch_size=4"], d)
-    return read_metrics(d)
+    return reference_run(tmp_path_factory, BASE + ["--training.local_batch_size=4"])
 
 
 # Compiled kernels fuse and reorder floating-point work; 1e-4 bounds that drift over 10 steps.

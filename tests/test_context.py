@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from conftest import TINY, assert_parity, read_metrics, run_cli
+from conftest import reference_run, TINY, assert_parity, read_metrics, run_cli
 from torchmeg.config import ConfigError, load_config, validate
 from torchmeg.parallel.context import positions, shard_sequence
 
@@ -16,9 +16,7 @@ def reference(tmp_path_factory):
 
     def get(model=()):
         if model not in cache:
-            d = tmp_path_factory.mktemp("ref")
-            run_cli(_args(model) + ["--training.local_batch_size=4"], d)
-            cache[model] = read_metrics(d)
+            cache[model] = reference_run(tmp_path_factory, _args(model) + ["--training.local_batch_size=4"])
         return cache[model]
     return get
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_parity, read_metrics, run_cli
+from conftest import reference_run, assert_parity, read_metrics, run_cli
 from torchmeg.config import ConfigError, load_config, validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
 
@@ -75,9 +75,7 @@ def test_active_params_and_flops():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    run_cli(MOE + ["--training.local_batch_size=8"], d)
-    return read_metrics(d)
+    return reference_run(tmp_path_factory, MOE + ["--training.local_batch_size=8"])
 
 
 @pytest.mark.parametrize("name, ranks, local, layout", [

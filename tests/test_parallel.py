@@ -6,7 +6,7 @@ shards, nothing else). bf16: see the test for its tolerance and why.
 """
 import pytest
 
-from conftest import assert_parity as compare, TINY, read_metrics, run_cli
+from conftest import reference_run, assert_parity as compare, TINY, read_metrics, run_cli
 
 GLOBAL = 8
 BASE = TINY + ["--training.steps=4", "--training.deterministic=true", f"--training.global_batch_size={GLOBAL}"]
@@ -21,9 +21,7 @@ def reference(tmp_path_factory):
     def get(extra=()):
         key = tuple(extra)
         if key not in cache:
-            d = tmp_path_factory.mktemp("ref")
-            run_cli(BASE + [f"--training.local_batch_size={GLOBAL}"] + list(extra), d)
-            cache[key] = read_metrics(d)
+            cache[key] = reference_run(tmp_path_factory, BASE + [f"--training.local_batch_size={GLOBAL}"] + list(extra))
         return cache[key]
     return get
 

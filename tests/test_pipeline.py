@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import assert_parity as compare, ROOT, TINY, read_metrics, run_cli
+from conftest import reference_run, assert_parity as compare, ROOT, TINY, read_metrics, run_cli
 from torchmeg.config import ConfigError, load_config, validate
 
 P = "--parallelism."
@@ -19,9 +19,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("ref")
-    run_cli(BASE + ["--training.local_batch_size=8"], d)
-    return read_metrics(d)
+    return reference_run(tmp_path_factory, BASE + ["--training.local_batch_size=8"])
 
 
 
