@@ -100,3 +100,12 @@ def test_cli_exit_code_and_no_traceback():
     lines = [ln for ln in p.stderr.strip().splitlines() if ln]
     assert lines == [lines[0]] and "training.steps" in lines[0] and "-3" in lines[0], p.stderr
     assert p.stdout == ""
+
+
+def test_cuda_requested_without_cuda(capsys):
+    import torch
+    argv = ["--config", RECIPE, "--training.device=cuda", "--training.steps=1"]
+    if torch.cuda.is_available():
+        validate(load_config(RECIPE, argv[2:]), world_size=1)
+    else:
+        _fails(capsys, argv, "training.device", "cuda", "auto")

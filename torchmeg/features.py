@@ -23,7 +23,8 @@ def check_supported(cfg, dims) -> None:
             raise ConfigError(f"{key} = {_value(cfg, key)!r}: not yet supported in this version of torchmeg; {instead}")
     if cfg.checkpoint.export_hf and not cfg.checkpoint.enable:
         raise ConfigError("checkpoint.export_hf = true: needs checkpoint.enable = true")
-    if cfg.parallelism.enable_async_tensor_parallel and _device_type(cfg) != "cuda":
+    device = _device_type(cfg)  # also refuses training.device = "cuda" where none is visible
+    if cfg.parallelism.enable_async_tensor_parallel and device != "cuda":
         raise ConfigError("parallelism.enable_async_tensor_parallel = true: CUDA only (symmetric-memory "
                           "collectives); set it to false on CPU")
 
