@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchmeg.models.moe import is_grouped_experts
 from torchmeg.parallel.data import blocks
 
 
@@ -26,7 +27,7 @@ def compile_blocks(model: nn.Module, tp: bool = False) -> None:
         # In place (nn.Module.compile): parameter names stay as the model wrote them. Dropless MoE
         # routing sizes each expert's slice from the data (a graph break), so MoE blocks compile
         # in pieces; every other block must compile whole.
-        moe = any(hasattr(m, "n_experts") for m in block.modules())
+        moe = any(is_grouped_experts(m) for m in block.modules())
         block.compile(fullgraph=not moe)
     if tp and getattr(model, "tok_embeddings", None) is not None:
         # A compiled TP block fed straight from the TP embedding fails in backward

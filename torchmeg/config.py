@@ -183,14 +183,6 @@ class Config:
     def run_dir(self) -> str:
         return os.path.join(self.job.dump_folder, self.job.name)
 
-    def to_dict(self) -> dict:
-        out = {}
-        for sec in _sections():
-            d = dataclasses.asdict(getattr(self, sec))
-            if sec == "model":
-                d.update(d.pop("overrides"))
-            out[sec] = d
-        return out
 
 
 def _sections() -> list[str]:

@@ -23,13 +23,14 @@ def check_supported(cfg, dims) -> None:
             raise ConfigError(f"{key} = {_value(cfg, key)!r}: not yet supported in this version of torchmeg; {instead}")
     if cfg.checkpoint.export_hf and not cfg.checkpoint.enable:
         raise ConfigError("checkpoint.export_hf = true: needs checkpoint.enable = true")
-    device = _device_type(cfg)  # also refuses training.device = "cuda" where none is visible
+    device = device_type(cfg)  # also refuses training.device = "cuda" where none is visible
     if cfg.parallelism.enable_async_tensor_parallel and device != "cuda":
         raise ConfigError("parallelism.enable_async_tensor_parallel = true: CUDA only (symmetric-memory "
                           "collectives); set it to false on CPU")
 
 
-def _device_type(cfg) -> str:
+def device_type(cfg) -> str:
+    """"cuda" or "cpu", from training.device; the one place that resolves "auto"."""
     import torch
     if cfg.training.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"

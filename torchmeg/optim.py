@@ -69,7 +69,7 @@ def grad_norm(params, extra_groups=()) -> torch.Tensor:
     return total_sq.sqrt()
 
 
-def clip_grads(params, max_norm: float, total_norm: torch.Tensor) -> None:
+def clip_grads(params, max_norm: float, total_norm: float | torch.Tensor) -> None:
     if max_norm <= 0:
         return
     coef = max_norm / (float(total_norm) + 1e-6)

@@ -47,8 +47,8 @@ def parse_args(argv: list[str]) -> Config:
 
 
 def pick_device(cfg) -> torch.device:
-    use_cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    from torchmeg.features import device_type
+    if device_type(cfg) == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
         return dev
@@ -145,7 +145,7 @@ class Trainer:
             model = parallelize(model, dims, cfg, mesh=mesh)
             materialize(model, self.device, cfg.job.seed, shard=_local_shard)
         self.model = model
-        self.params = [p for p in model.parameters()]
+        self.params = list(model.parameters())
         self.moe_layers = [m for m in model.modules() if hasattr(m, "update_bias")]
         from torchmeg.parallel.expert import expert_modules
         self.expert_params = [p for m in expert_modules(model) for p in m.parameters()] if dims.ep > 1 else []
@@ -188,21 +188,21 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped)."""
         from torchmeg.optim import clip_grads, grad_norm
-        loss_sum = torch.zeros((), device=self.device)
-        if self.schedule is not None:
-            loss_sum += self._pipeline_step(batches, train=True)
-            batches = []  # the schedule ran every microbatch
-        for m, (inputs, labels) in enumerate(batches):
-            inputs, labels = self._local(inputs), self._local(labels)
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                # Reduce gradients once, after the last microbatch.
-                self.model.set_requires_gradient_sync(m == self.accum - 1)
-            with self._ctx():
-                loss = self.loss_fn(self.model(inputs), labels) / self.accum
-                if _inject_nan(self.step + 1):
-                    loss = loss * float("nan")
-                loss.backward()
-            loss_sum += _scalar(loss.detach()).float()
+        if self.schedule is not None:  # the schedule runs every microbatch itself
+            loss_sum = self._pipeline_step(batches, train=True)
+        else:
+            loss_sum = torch.zeros((), device=self.device)
+            for m, (inputs, labels) in enumerate(batches):
+                inputs, labels = self._local(inputs), self._local(labels)
+                if hasattr(self.model, "set_requires_gradient_sync"):
+                    # Reduce gradients once, after the last microbatch.
+                    self.model.set_requires_gradient_sync(m == self.accum - 1)
+                with self._ctx():
+                    loss = self.loss_fn(self.model(inputs), labels) / self.accum
+                    if _inject_nan(self.step + 1):
+                        loss = loss * float("nan")
+                    loss.backward()
+                loss_sum += _scalar(loss.detach()).float()
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
         if self.expert_params:
@@ -214,7 +214,7 @@ class Trainer:
         gn = grad_norm(self.params, [self.pp_group] if self.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         if finite:
-            clip_grads(self.params, self.cfg.training.max_norm, torch.tensor(gn))
+            clip_grads(self.params, self.cfg.training.max_norm, gn)
             self.optimizer.step()
             if self.float8_precompute:
                 from torchmeg.float8 import precompute_scales
@@ -275,10 +275,10 @@ class Trainer:
             it = iter(loader)
             for _ in range(v.steps):
                 total += self._pipeline_step([next(it) for _ in range(accum)], train=False)
-            loader = []
-        for inputs, labels in loader:
-            with self._ctx():
-                total += _scalar(self.loss_fn(self.model(self._local(inputs)), self._local(labels))).float()
+        else:
+            for inputs, labels in loader:
+                with self._ctx():
+                    total += _scalar(self.loss_fn(self.model(self._local(inputs)), self._local(labels))).float()
         self.model.train()
         for m in self.moe_layers:  # evaluation traffic is not training load
             m.tokens_per_expert.zero_()

@@ -1,6 +1,7 @@
 """Tokenizers: a built-in byte-level one, and any HuggingFace `tokenizer.json` via `tokenizers`."""
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -73,9 +74,15 @@ def build_tokenizer(spec: str):
         raise ConfigError(f"data.tokenizer = {spec!r}: no such file; use \"byte\" or a path to a tokenizer.json "
                           f"(tools/preprocess_data.py --train-tokenizer makes one)")
     try:
-        return HFTokenizer(spec)
+        # Validation and the trainer each ask for the tokenizer; a large tokenizer.json is parsed once.
+        return _load_hf(os.path.abspath(spec), os.path.getmtime(spec))
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise ConfigError(f"data.tokenizer = {spec!r}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _load_hf(path: str, mtime: float) -> HFTokenizer:  # mtime: a rewritten file is loaded again
+    return HFTokenizer(path)
 
 
 def train_bpe(texts, vocab_size: int, out_path: str) -> HFTokenizer:

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchmeg.models.gpt2 import GPT2, GPT2Args
 from torchmeg.models.llama import Llama, LlamaArgs
-from torchmeg.models.moe import MoEArgs, MoETransformer
+from torchmeg.models.moe import MoEArgs, MoETransformer, is_grouped_experts
 
 
 @dataclass
@@ -279,8 +279,8 @@ def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
         if isinstance(m, nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             n += m.weight.numel()
-        elif hasattr(m, "n_experts") and hasattr(m, "w1"):  # grouped experts: only top_k of them run
-            n += (m.w1.numel() + m.w2.numel() + m.w3.numel()) * m.top_k // m.n_experts
+        elif is_grouped_experts(m):  # only top_k of the experts run
+            n += _expert_weights(m) * m.top_k // m.n_experts
     return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
@@ -288,7 +288,11 @@ def active_params(model: nn.Module) -> int:
     """Parameters a token actually uses (MoE: top_k of the routed experts)."""
     n = count_params(model)
     for m in model.modules():
-        if hasattr(m, "n_experts") and hasattr(m, "w1"):
-            total = m.w1.numel() + m.w2.numel() + m.w3.numel()
+        if is_grouped_experts(m):
+            total = _expert_weights(m)
             n -= total - total * m.top_k // m.n_experts
     return n
+
+
+def _expert_weights(m: nn.Module) -> int:
+    return m.w1.numel() + m.w2.numel() + m.w3.numel()

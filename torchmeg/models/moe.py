@@ -64,6 +64,11 @@ class GroupedExperts(nn.Module):
         return self.dispatch(self, x_TD, counts_E)
 
 
+def is_grouped_experts(m: nn.Module) -> bool:
+    """Duck-typed, so a user's own expert module with the same attributes is treated alike."""
+    return hasattr(m, "n_experts") and hasattr(m, "dispatch") and hasattr(m, "w1")
+
+
 class _AuxLoss(torch.autograd.Function):
     """Returns `out` unchanged; in backward, also sends gradient 1 into `aux` (so the auxiliary
     loss trains the router without changing the logits or the reported loss)."""

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torchmeg.models.moe import is_grouped_experts
+
 
 def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
     if mixed_precision == "bf16":
@@ -40,7 +42,7 @@ def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forwa
     for block in blocks(model):
         if expert_mesh is not None:
             for m in block.modules():
-                if hasattr(m, "n_experts") and hasattr(m, "w1"):
+                if is_grouped_experts(m):
                     fully_shard(m, mesh=expert_mesh, mp_policy=mp_policy(mixed_precision),
                                 reshard_after_forward=reshard_after_forward)
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)

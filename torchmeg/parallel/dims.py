@@ -55,18 +55,6 @@ class ParallelDims:
     def fsdp(self) -> int:
         return self.dp_shard * self.cp
 
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def dp_enabled(self) -> bool:
-        return self.dp > 1
-
     def describe(self) -> str:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(self, n) > 1]
         return f"world {self.world_size}: " + (", ".join(parts) if parts else "single device")

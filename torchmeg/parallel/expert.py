@@ -21,11 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchmeg.models.moe import expert_ffn
-
-
-def is_grouped_experts(m: nn.Module) -> bool:
-    return hasattr(m, "n_experts") and hasattr(m, "dispatch") and hasattr(m, "w1")
+from torchmeg.models.moe import expert_ffn, is_grouped_experts
 
 
 class AllToAllDispatch:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchmeg.features import device_type
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
 from torchmeg.parallel.dims import ParallelDims
 from torchmeg.parallel.tensor import apply_tp
@@ -25,16 +26,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     `mesh` defaults to `dims.build_mesh(...)`; `tp_plan` defaults to the registry entry of
     `cfg.model.name` (a list of (FQN pattern, role); see torchmeg.parallel.tensor).
     """
+    device = device_type(cfg)
     if mesh is None:
-        mesh = dims.build_mesh(_device_type(model))
+        mesh = dims.build_mesh(device)
     p = cfg.parallelism
     float8_tp = False
     if cfg.float8.enable:
         from torchmeg.float8 import apply_float8
-        converted = apply_float8(model, cfg.float8, _device_type(model))
+        converted = apply_float8(model, cfg.float8, device)
         # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
         # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
-        float8_tp = converted and cfg.float8.recipe == "tensorwise" and _device_type(model) == "cuda"
+        float8_tp = converted and cfg.float8.recipe == "tensorwise" and device == "cuda"
     if dims.tp > 1:
         if tp_plan is None:
             from torchmeg.models import get_spec
@@ -66,11 +68,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     elif dims.dp_replicate > 1:
         apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision)
     return model
-
-
-def _device_type(model: nn.Module) -> str:
-    import torch
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _enable_async_tp(tp_mesh) -> None:

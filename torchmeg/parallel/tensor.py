@@ -19,7 +19,7 @@ import inspect
 
 from torch import nn
 
-from torchmeg.models import get_param_owner, tied_pairs
+from torchmeg.models import get_param_owner, retie, tied_pairs
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
@@ -47,9 +47,11 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
     float8 before the all-gather so the collective moves half the bytes.
     """
     seq = Shard(1) if sp else Replicate()
-    from torchmeg.float8 import is_float8_linear
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    f8 = float8_tp and bool(linears) and all(is_float8_linear(m) for m in linears)
+    f8 = False
+    if float8_tp:
+        from torchmeg.float8 import is_float8_linear
+        linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        f8 = bool(linears) and all(is_float8_linear(m) for m in linears)
     Col, Row, Prep = _float8_styles() if f8 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     if role == "colwise":
         return Col()
@@ -75,10 +77,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
                                         desired_output_layouts=(Shard(1),), use_local_output=True)
     if role == "sp_norm":
         return SequenceParallel()
-    rest = (None,) * (_n_positional(module) - 1)
-    if role == "sp_input":
-        return PrepareModuleInput(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
     if role == "sp_enter":
+        rest = (None,) * (_n_positional(module) - 1)
         # Local output: the block's residual stream must be a plain shard like its sublayers' outputs.
         return PrepareModuleInput(input_layouts=(Replicate(),) + rest, desired_input_layouts=(Shard(1),) + rest,
                                   use_local_output=True)
@@ -108,15 +108,12 @@ def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, flo
     """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied."""
     tied = tied_pairs(model)
     parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel, float8_tp))
+    # parallelize_module replaces each module's parameter separately; re-tie when both sides
+    # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
     for src, dst in tied:
-        # parallelize_module replaces each module's parameter separately; re-tie when both sides
-        # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
-        sm, sn = get_param_owner(model, src)
-        dm, dn = get_param_owner(model, dst)
-        a, b = getattr(sm, sn), getattr(dm, dn)
-        if a is not b:
-            if getattr(a, "placements", None) != getattr(b, "placements", None):
-                raise ValueError(f"tied parameters {src} and {dst} got different TP shardings; untie them or "
-                                 f"give both the same plan role")
-            setattr(dm, dn, a)
+        a, b = (getattr(*get_param_owner(model, fqn)) for fqn in (src, dst))
+        if getattr(a, "placements", None) != getattr(b, "placements", None):
+            raise ValueError(f"tied parameters {src} and {dst} got different TP shardings; untie them or "
+                             f"give both the same plan role")
+    retie(model, tied)
     return model
