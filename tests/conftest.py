@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # parallel dimension divides it (heads 4, kv heads 2, FFN 192, vocab 320, seq 32).
 TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
         "--model.multiple_of=64", "--data.seq_len=32", "--training.local_batch_size=4",
-        "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--validation.enable=false",
-        "--metrics.enable_tensorboard=false"]
+        "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--validation.enable=true",
+        "--validation.steps=2", "--metrics.enable_tensorboard=false"]
+# Validation is on as in the shipped recipes: it runs after the last step of every parity run, and
+# its val_loss is compared too.
 
 
 def _free_port() -> int:
@@ -99,7 +101,8 @@ def assert_parity(ref: list[dict], got: list[dict], tol: float = 1e-5, rel: bool
     """
     assert [r["step"] for r in got] == [r["step"] for r in ref], "different steps logged"
     for a, b in zip(ref, got):
-        for k in ("loss", "grad_norm"):
+        assert ("val_loss" in a) == ("val_loss" in b), f"step {a['step']}: val_loss in only one run"
+        for k in ("loss", "grad_norm") + (("val_loss",) if "val_loss" in a else ()):
             scale = abs(a[k]) if (rel or k == "grad_norm") and abs(a[k]) > 1 else 1.0
             assert abs(a[k] - b[k]) <= tol * scale, f"step {a['step']} {k}: reference {a[k]!r} vs layout {b[k]!r}"
 

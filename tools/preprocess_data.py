@@ -9,6 +9,11 @@
 Inputs: .jsonl/.json files (one JSON object per line, text under --json-key), any other file as one
 document, directories (walked recursively), and glob patterns. Every document ends with the
 tokenizer's end-of-document token.
+
+Bad input is never guessed at: a line that is not UTF-8, not JSON, not an object, or whose text is
+missing, null or not a string stops the run with FILE:LINE and the reason (`--on-bad-record skip`
+skips such records and counts them instead); an input with no documents is an error. Outputs
+appear only when everything succeeded: nothing partial is left behind (exit 1 otherwise).
 """
 from __future__ import annotations
 
@@ -43,24 +48,60 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return files
 
 
-def iter_documents(files: list[str], json_key: str):
+class BadRecord(Exception):
+    """One input record that cannot become a document; the message starts with FILE:LINE."""
+
+
+def _record_text(path: str, n: int, raw: bytes, json_key: str) -> str | None:
+    """The text of one JSONL line (None for a blank line), or BadRecord saying why not."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"{path}:{n}: not UTF-8 (byte {e.start} of the line)") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f"{path}:{n}: not JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise BadRecord(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+    if json_key not in obj:
+        raise BadRecord(f"{path}:{n}: no key {json_key!r}; keys: {', '.join(obj) or '(none)'}; pass --json-key")
+    text = obj[json_key]
+    if not isinstance(text, str):
+        what = "null" if text is None else f"a {type(text).__name__}"
+        raise BadRecord(f"{path}:{n}: {json_key!r} is {what}, not a string")
+    return text
+
+
+def iter_documents(files: list[str], json_key: str, skipped: list | None = None):
+    """Documents in order. With `skipped` (a list), bad records are appended there and skipped;
+    without it the first one raises BadRecord."""
+    def bad(e: BadRecord):
+        if skipped is None:
+            raise e
+        skipped.append(str(e))
+
     for path in files:
         if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
+            with open(path, "rb") as fh:
+                for n, raw in enumerate(fh, 1):
                     try:
-                        obj = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise SystemExit(f"preprocess_data: {path}:{n}: not JSON ({e.msg})")
-                    if json_key not in obj:
-                        raise SystemExit(f"preprocess_data: {path}:{n}: no key {json_key!r}; "
-                                         f"keys: {', '.join(obj)}; pass --json-key")
-                    yield str(obj[json_key])
+                        text = _record_text(path, n, raw, json_key)
+                    except BadRecord as e:
+                        bad(e)
+                        continue
+                    if text is not None:
+                        yield text
         else:
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                yield fh.read()
+            with open(path, "rb") as fh:
+                data = fh.read()
+            try:
+                yield data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                line = data[:e.start].count(b"\n") + 1
+                bad(BadRecord(f"{path}:{line}: not UTF-8 (byte {e.start} of the file)"))
 
 
 _TOK = None
@@ -82,7 +123,7 @@ class Progress:
         self.total = total_bytes
 
     def update(self, n_bytes: int, n_tokens: int, force: bool = False):
-        self.docs += 1
+        self.docs += 0 if force else 1
         self.bytes += n_bytes
         self.tokens += n_tokens
         now = time.time()
@@ -105,23 +146,60 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-out", default=None, help="where the trained tokenizer goes "
                     "(default PREFIX.tokenizer.json)")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--on-bad-record", choices=["error", "skip"], default="error",
+                    help="a record that is not UTF-8 / JSON / an object with a string text: stop (default) or skip it")
     a = ap.parse_args(argv)
-
     files = expand_inputs(a.input)
-    total = sum(os.path.getsize(f) for f in files)
-    spec = a.tokenizer
-    if a.train_tokenizer:
-        spec = a.tokenizer_out or a.output_prefix + ".tokenizer.json"
-        print(f"training a {a.vocab_size}-token BPE tokenizer on {len(files)} file(s) ...", file=sys.stderr)
-        train_bpe(iter_documents(files, a.json_key), a.vocab_size, spec)
-        print(f"wrote {spec}", file=sys.stderr)
+    tok_out = (a.tokenizer_out or a.output_prefix + ".tokenizer.json") if a.train_tokenizer else None
+    tmp_tok = tok_out + f".{os.getpid()}.tmp" if tok_out else None
+    writer = None
     try:
-        tok = build_tokenizer(spec)
-    except ValueError as e:
-        raise SystemExit(f"preprocess_data: {e}")
+        writer, n_skipped = _convert(a, files, tmp_tok)
+    except BaseException as e:  # noqa: BLE001 - leave nothing partial behind, whatever stopped us
+        if writer is not None:
+            writer.abort()
+        if tmp_tok and os.path.exists(tmp_tok):
+            os.remove(tmp_tok)
+        if isinstance(e, (BadRecord, ValueError)):
+            print(f"\npreprocess_data: {e}", file=sys.stderr)
+            return 1
+        raise
+    if tmp_tok:
+        os.replace(tmp_tok, tok_out)
+    print(f"\nwrote {a.output_prefix}.bin/.idx: {len(writer.offsets) - 1:,} documents, {writer.offsets[-1]:,} tokens, "
+          f"tokenizer {tok_out or a.tokenizer}" + (f"; skipped {n_skipped} bad record(s)" if n_skipped else ""),
+          file=sys.stderr)
+    return 0
+
+
+def _convert(a, files: list[str], tmp_tok: str | None):
+    """Tokenize everything into a StoreWriter; returns (closed writer, bad records skipped)."""
+    total = sum(os.path.getsize(f) for f in files)
+    skipped = [] if a.on_bad_record == "skip" else None
+    spec = a.tokenizer
+    if tmp_tok:
+        print(f"training a {a.vocab_size}-token BPE tokenizer on {len(files)} file(s) ...", file=sys.stderr)
+        train_bpe(iter_documents(files, a.json_key, skipped), a.vocab_size, tmp_tok)
+        spec, skipped = tmp_tok, ([] if skipped is not None else None)  # the next pass counts again
+    tok = build_tokenizer(spec)
     writer = StoreWriter(a.output_prefix, tok.vocab_size)
+    try:
+        _tokenize(a, files, spec, writer, skipped, total)
+        if len(writer.offsets) == 1:
+            raise BadRecord(f"no documents in {', '.join(a.input)}" + (f" ({len(skipped)} bad records skipped)"
+                                                                        if skipped else ""))
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    for msg in (skipped or [])[:5]:
+        print(f"\nskipped: {msg}", file=sys.stderr, end="")
+    return writer, len(skipped or [])
+
+
+def _tokenize(a, files, spec, writer, skipped, total) -> None:
     prog = Progress(total if not any(f.endswith((".jsonl", ".json")) for f in files) else None)
-    docs = iter_documents(files, a.json_key)
+    docs = iter_documents(files, a.json_key, skipped)
     if a.workers > 1:
         with mp.Pool(a.workers, initializer=_init, initargs=(spec,)) as pool:
             texts = []
@@ -141,11 +219,7 @@ def main(argv=None) -> int:
             ids = _encode(text)
             writer.add(ids)
             prog.update(len(text.encode("utf-8")), len(ids))
-    writer.close()
     prog.update(0, 0, force=True)
-    print(f"\nwrote {a.output_prefix}.bin/.idx: {len(writer.offsets) - 1:,} documents, {writer.offsets[-1]:,} tokens, "
-          f"tokenizer {spec} ({tok.vocab_size} ids)", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

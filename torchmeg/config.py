@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import typing
@@ -68,6 +69,10 @@ class Training:
     device: str = _f("auto", choices=["auto", "cpu", "cuda"])
     deterministic: bool = _f(False)
     on_nonfinite: str = _f("skip", choices=["skip", "stop"])
+    max_consecutive_skips: int = _f(10, lo=0, help="stop after this many non-finite steps in a row; 0 = no cap")
+    watchdog_factor: float = _f(10.0, lo=0.0, help="a step slower than this x the median step is a hang; 0 = off")
+    watchdog_min_s: float = _f(120.0, lo=1.0, help="the watchdog never fires on a step before this many seconds")
+    watchdog_startup_s: float = _f(1800.0, lo=1.0, help="limit for the first steps (compile), eval, checkpoint I/O")
 
 
 @dataclass
@@ -137,6 +142,11 @@ class Checkpoint:
     export_hf: bool = _f(False)
     last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
     export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
+    on_damaged: str = _f("fallback", choices=["fallback", "stop"],
+                         help="a damaged newest checkpoint: load the previous complete one, or stop")
+    verify: bool = _f(True, help="record file sizes and CRC32s at commit; check them before loading")
+    remap_data_position: bool = _f(False, help="allow resuming with another global batch / seq_len; "
+                                   "the data position then follows the tokens consumed")
 
 
 @dataclass
@@ -157,6 +167,8 @@ class Metrics:
 class Profiling:
     enable: bool = _f(False)
     profile_freq: int = _f(100, lo=1)
+    active_steps: int = _f(2, lo=1, help="steps recorded at the end of each profile_freq window")
+    memory: bool = _f(True, help="also a memory snapshot (CUDA) or memory timeline (CPU) per window")
 
 
 @dataclass
@@ -336,6 +348,8 @@ def _check_field_ranges(cfg: Config) -> None:
             key = f"{sec}.{name}"
             if m.get("choices") and v not in m["choices"]:
                 raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(map(str, m['choices']))}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{key} = {v!r}: must be a finite number")
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 if m.get("lo") is not None and v < m["lo"]:
                     raise ConfigError(f"{key} = {v!r}: must be >= {m['lo']}")
@@ -343,8 +357,21 @@ def _check_field_ranges(cfg: Config) -> None:
                     raise ConfigError(f"{key} = {v!r}: must be <= {m['hi']}")
 
 
+def _check_job_name(cfg: Config) -> None:
+    """Outputs go to <dump_folder>/<name>/: the name may nest folders but never leave dump_folder."""
+    name = cfg.job.name
+    parts = name.replace("\\", "/").split("/")
+    if not name.strip() or os.path.isabs(name) or ".." in parts or any(not x for x in parts) or "\0" in name:
+        raise ConfigError(f"job.name = {name!r}: must be a relative name inside job.dump_folder (no '..', no "
+                          f"leading '/', no empty parts); e.g. \"my_run\" or \"sweep/lr_3e-3\"")
+
+
 def _check_special(cfg: Config) -> None:
     p, t = cfg.parallelism, cfg.training
+    _check_job_name(cfg)
+    if cfg.profiling.enable and cfg.profiling.profile_freq < cfg.profiling.active_steps + 2:
+        raise ConfigError(f"profiling.profile_freq = {cfg.profiling.profile_freq}: must be at least active_steps + 2 "
+                          f"= {cfg.profiling.active_steps + 2} (one warm-up step, then the recorded ones)")
     if p.data_parallel_shard_degree == 0:
         raise ConfigError("parallelism.data_parallel_shard_degree = 0: use -1 (fill) or a degree >= 1")
     if len(cfg.optimizer.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optimizer.betas):

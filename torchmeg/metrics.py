@@ -6,6 +6,7 @@ measured once by a short matmul probe and cached, so MFU is never against a made
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -122,17 +123,23 @@ class MetricsLogger:
 
     FIELDS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "tflops", "mfu", "memory_gib", "elapsed_ms")
 
-    def __init__(self, cfg, rank: int, append: bool = False):
+    def __init__(self, cfg, rank: int, resume_step: int = 0):
+        """resume_step > 0: a resumed run. Rows after that step (logged by the run that died
+        before its next checkpoint) are dropped, so every step appears once in metrics.jsonl and
+        TensorBoard (purge_step)."""
         self.rank, self.cfg = rank, cfg
         self.jsonl = self.tb = None
         if rank != 0:
             return
         os.makedirs(cfg.run_dir, exist_ok=True)
         if cfg.metrics.jsonl:
-            self.jsonl = open(os.path.join(cfg.run_dir, "metrics.jsonl"), "a" if append else "w")
+            path = os.path.join(cfg.run_dir, "metrics.jsonl")
+            if resume_step > 0:
+                _keep_rows_upto(path, resume_step)
+            self.jsonl = open(path, "a" if resume_step > 0 else "w")
         if cfg.metrics.enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(cfg.run_dir, "tb"))
+            self.tb = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, row: dict, line: str | None = None) -> None:
         if self.rank != 0:
@@ -140,7 +147,7 @@ class MetricsLogger:
         if line:
             print(line, flush=True)
         if self.jsonl:
-            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.write(json.dumps(json_safe(row), allow_nan=False) + "\n")
             self.jsonl.flush()
         if self.tb:
             for k, v in row.items():
@@ -153,6 +160,35 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
+
+def json_safe(row: dict) -> dict:
+    """NaN / inf are not JSON: they are written as null (the step is marked "skipped" anyway)."""
+    def fix(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+    return {k: fix(v) for k, v in row.items()}
+
+
+def _keep_rows_upto(path: str, step: int) -> None:
+    """Rewrite metrics.jsonl (atomically) without rows past `step`; damaged lines are dropped too."""
+    if not os.path.isfile(path):
+        return
+    keep = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a kill
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.writelines(keep)
+    os.replace(tmp, path)
 
 
 def format_line(r: dict) -> str:

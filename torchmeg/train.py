@@ -71,7 +71,10 @@ def init_distributed(device: torch.device) -> None:
         store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    from torchmeg import guard
+    guard.set_store(store)  # where a failing rank leaves its error for the others
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -91,10 +94,13 @@ class Trainer:
         from torchmeg.parallel import ParallelDims
         from torchmeg.parallel.parallelize import parallelize
 
+        from torchmeg.guard import Watchdog
+        from torchmeg.parallel.pipeline import describe_inflight
         self.cfg = cfg
         self.device = pick_device(cfg)
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.watchdog = Watchdog(cfg, self.rank, describe_inflight if cfg.parallelism.pipeline_parallel_degree > 1 else None)
         if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -140,6 +146,8 @@ class Trainer:
             self.schedule = pl.build_schedule(parts, ids, len(counts), self.device, self.pp_group,
                                               pl.microbatches(cfg, dims.pp, v, self.accum), cross_entropy, sched)
             self.stage_desc = f"stages {ids} of {len(counts)} ({counts} layers), {sched}"
+            if dims.fsdp > 1 and sched in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
+                self.stage_desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
             model = pl.StageUnion(parts, self.spec.layers_attr)
         else:
             model = parallelize(model, dims, cfg, mesh=mesh)
@@ -163,15 +171,19 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
         # Resume: the newest committed checkpoint (if any) sets the weights, optimizer, schedule and step;
         # the data position follows from the step alone.
-        self.step, self.ckpt = 0, None
+        # The data position is a function of the step (sample_offset is non-zero only after a resume
+        # that remapped it by tokens, see checkpoint.remap_data_position).
+        self.step, self.ckpt, self.sample_offset = 0, None, 0
         if cfg.checkpoint.enable:
             from torchmeg.checkpoint import CheckpointManager
             self.ckpt = CheckpointManager(cfg, self)
+            self.watchdog.begin("checkpoint load")
             self.ckpt.load_latest()
+            self.watchdog.end()
         self.start_step = self.step
         self.loader = build_loader(self.train_set, t.local_batch_size, dims.dp, self.dp_rank, self.accum,
-                                   self.start_step, t.steps, cfg.data.num_workers)
-        self.logger = MetricsLogger(cfg, self.rank, append=self.start_step > 0)
+                                   self.start_step, t.steps, cfg.data.num_workers, self.sample_offset)
+        self.logger = MetricsLogger(cfg, self.rank, resume_step=self.start_step)
         self.state_bytes = None
         # float8 weights all-gathered by FSDP: one fused amax/scale computation per step.
         self.float8_precompute = (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
@@ -198,6 +210,8 @@ class Trainer:
                     # Reduce gradients once, after the last microbatch.
                     self.model.set_requires_gradient_sync(m == self.accum - 1)
                 with self._ctx():
+                    from torchmeg.guard import inject_fault
+                    inject_fault(self.step + 1, self.rank)
                     loss = self.loss_fn(self.model(inputs), labels) / self.accum
                     if _inject_nan(self.step + 1):
                         loss = loss * float("nan")
@@ -253,6 +267,9 @@ class Trainer:
     def _pipeline_step(self, batches, train: bool) -> torch.Tensor:
         """One schedule run over the step's sequences; the loss (mean over microbatches) is known
         on the last stage's rank and summed over the pipeline group so every rank holds it."""
+        if train:
+            from torchmeg.guard import inject_fault
+            inject_fault(self.step + 1, self.rank)
         inputs = torch.cat([b[0] for b in batches]).to(self.device)
         labels = torch.cat([b[1] for b in batches]).to(self.device)
         losses = []
@@ -315,15 +332,19 @@ class Trainer:
 
     def run(self) -> int:
         from torchmeg.metrics import format_line, peak_memory_gib
+        from torchmeg.profiling import StepProfiler
         cfg = self.cfg
         self.header()
         if self.start_step and self.rank == 0:
-            print(f"resumed   from step {self.start_step} ({self.ckpt.folder})", flush=True)
+            print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes), flush=True)
         stop = _StopFlag()
         it = iter(self.loader)
         tokens_per_step = self.global_batch * cfg.data.seq_len
-        window_t, window_steps = 0.0, 0
+        window_t, window_steps, skipped_in_a_row = 0.0, 0, 0
+        profiler = StepProfiler(cfg, self.rank, self.device)
+        wd = self.watchdog
         for step in range(self.start_step + 1, cfg.training.steps + 1):
+            wd.begin(f"step {step}")
             t0 = time.perf_counter()
             batches = [next(it) for _ in range(self.accum)]
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -331,9 +352,16 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            wd.end()
+            profiler.step(step)
             window_t += dt
             window_steps += 1
-            val = self.evaluate() if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == cfg.training.steps) else None
+            skipped_in_a_row = 0 if stepped else skipped_in_a_row + 1
+            val = None
+            if cfg.validation.enable and (step % cfg.validation.freq == 0 or step == cfg.training.steps):
+                wd.begin(f"evaluation after step {step}")
+                val = self.evaluate()
+                wd.end()
             if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped:
                 tps = tokens_per_step * window_steps / window_t / self.world
                 tflops = self.flops_per_token * tps / 1e12
@@ -352,18 +380,28 @@ class Trainer:
                     row["skipped"] = True
                 self.logger.log(row, format_line(row))
                 window_t, window_steps = 0.0, 0
+            cap = cfg.training.max_consecutive_skips
+            if cap and skipped_in_a_row >= cap:
+                # Every rank sees the same all-reduced loss and norm, so all stop here together.
+                raise FloatingPointError(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm "
+                                         f"(last at step {step}); stopping (training.max_consecutive_skips = {cap})")
             self.step = step
             preempted = stop.agreed()
             last = step == cfg.training.steps or preempted
             if self.ckpt is not None and (self.ckpt.should_save(step, last) or preempted):
+                wd.begin(f"checkpoint save at step {step}")
                 self.ckpt.save(step, last=last)
+                wd.end()
             _inject_kill(step, self.rank)
             if preempted:
                 if self.rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if self.ckpt else ""), flush=True)
                 break
+        profiler.close()
         if self.ckpt is not None:
+            wd.begin("final checkpoint commit")
             self.ckpt.close()
+            wd.end()
             if cfg.checkpoint.export_hf:
                 from torchmeg.hf import export_hf
                 export_hf(self, os.path.join(self.ckpt.folder, "hf"))
@@ -371,8 +409,12 @@ class Trainer:
         return 0
 
     def close(self) -> None:
+        """The clean end of a successful run: nothing left in flight, then one barrier so no rank
+        tears down its sockets while a peer still talks to it, then the groups go."""
+        del self.loader  # ends loader worker processes, if any
+        self.schedule = None  # pipelining stages hold p2p buffers and works
         if dist.is_initialized():
-            dist.barrier()  # avoids gloo's abort when one rank tears down first
+            dist.barrier()
             dist.destroy_process_group()
 
 
@@ -423,6 +465,8 @@ def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 failed (on any rank), 2 bad recipe, 3 hang (watchdog)."""
+    from torchmeg import guard
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)
@@ -430,20 +474,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one of them says why
             print(f"torchmeg: error: {e}", file=sys.stderr)
-        return 2
-    trainer = None
+        return guard.EXIT_CONFIG
+    rank = int(os.environ.get("RANK", "0"))
     try:
         trainer = Trainer(cfg)
-        return trainer.run()
-    except ConfigError as e:  # a check that needs the data or the device, caught after start-up
-        print(f"torchmeg: error: {e}", file=sys.stderr)
-        return 2
-    except FloatingPointError as e:  # training.on_nonfinite = "stop"
-        print(f"torchmeg: stopped: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if trainer is not None:
-            trainer.close()
+        trainer.run()
+        trainer.close()
+        return 0
+    except ConfigError as e:  # a check that needs the data, device or checkpoint, after start-up
+        if rank == 0:
+            print(f"torchmeg: error: {e}", file=sys.stderr, flush=True)
+        code = guard.EXIT_CONFIG
+    except FloatingPointError as e:  # training.on_nonfinite = "stop" / max_consecutive_skips: all ranks alike
+        if rank == 0:
+            print(f"torchmeg: stopped: {e}", file=sys.stderr, flush=True)
+        code = guard.EXIT_FAILED
+    except BaseException as e:  # noqa: BLE001 - any failure on any rank ends the job now
+        guard.report_failure(e, rank)
+        code = guard.EXIT_FAILED
+    guard.hard_exit(code)  # no barrier, no teardown: peers may be gone or stuck
+    return code
 
 
 if __name__ == "__main__":

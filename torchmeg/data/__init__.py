@@ -10,7 +10,17 @@ from torchmeg.data.tokenizer import build_tokenizer  # noqa: F401
 
 
 def open_stores(cfg, tokenizer) -> list[Store]:
-    return [Store(resolve(n, tokenizer, cfg)) for n in dataset_list(cfg)]
+    from torchmeg.config import ConfigError
+    from torchmeg.data.sources import BUILTIN
+    from torchmeg.data.store import StoreError
+    stores = []
+    for n in dataset_list(cfg):
+        try:
+            stores.append(Store(resolve(n, tokenizer, cfg)))
+        except StoreError as e:
+            fix = "; delete those files and the cache is rebuilt" if n in BUILTIN else ""
+            raise ConfigError(f"data.dataset = {n!r}: {e}{fix}") from None
+    return stores
 
 
 def build_dataset(cfg, stores, split: str) -> TokenDataset:
@@ -18,8 +28,8 @@ def build_dataset(cfg, stores, split: str) -> TokenDataset:
 
 
 def build_loader(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int,
-                 num_workers: int = 0) -> StatefulDataLoader:
+                 num_workers: int = 0, sample_offset: int = 0) -> StatefulDataLoader:
     """Batches of this dp rank, in step order; its state_dict() can be checkpointed."""
-    sampler = StepSampler(local_batch, dp, dp_rank, accum, start_step, steps)
+    sampler = StepSampler(local_batch, dp, dp_rank, accum, start_step, steps, sample_offset)
     return StatefulDataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
                               drop_last=True, persistent_workers=num_workers > 0)

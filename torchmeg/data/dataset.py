@@ -109,12 +109,15 @@ class TokenDataset(Dataset):
 class StepSampler(Sampler):
     """Yields this dp rank's sample indices, step by step, microbatch by microbatch.
 
-    Step s, microbatch m, dp rank r reads samples s*G + m*B*dp + r*B + [0, B).
+    Step s, microbatch m, dp rank r reads samples o + s*G + m*B*dp + r*B + [0, B), where the
+    offset o is 0 unless a resume remapped the data position by tokens (another global batch or
+    seq_len than the checkpoint's).
     """
 
-    def __init__(self, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int):
+    def __init__(self, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int,
+                 offset: int = 0):
         self.B, self.dp, self.r, self.accum = local_batch, dp, dp_rank, accum
-        self.start, self.steps = start_step, steps
+        self.start, self.steps, self.offset = start_step, steps, offset
 
     @property
     def global_batch(self) -> int:
@@ -123,7 +126,7 @@ class StepSampler(Sampler):
     def __iter__(self):
         for s in range(self.start, self.steps):
             for m in range(self.accum):
-                base = s * self.global_batch + m * self.B * self.dp + self.r * self.B
+                base = self.offset + s * self.global_batch + m * self.B * self.dp + self.r * self.B
                 yield from range(base, base + self.B)
 
     def __len__(self):

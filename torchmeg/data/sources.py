@@ -90,7 +90,10 @@ def check_data_config(cfg) -> None:
         if not store_mod.exists(prefix):
             raise ConfigError(f"data.dataset = {n!r}: no {prefix}.bin/.idx found; write one with "
                               f"tools/preprocess_data.py or use \"python_stdlib\"")
-        s = store_mod.Store(prefix)
+        try:
+            s = store_mod.Store(prefix)
+        except store_mod.StoreError as e:
+            raise ConfigError(f"data.dataset = {n!r}: {e}") from None
         if s.vocab_size != tok.vocab_size:
             raise ConfigError(f"data.dataset = {n!r}: written with a {s.vocab_size}-token tokenizer but data.tokenizer "
                               f"= {cfg.data.tokenizer!r} has {tok.vocab_size}; use the tokenizer it was made with")

@@ -20,8 +20,13 @@ def dtype_for(vocab_size: int):
     return np.uint16 if vocab_size <= 65536 else np.uint32
 
 
+class StoreError(ValueError):
+    """A store on disk is damaged or not a store; the message is one line naming the file."""
+
+
 class StoreWriter:
-    """Append documents, then `close()`; files appear atomically (written as .tmp, then renamed)."""
+    """Append documents, then `close()`; files appear atomically (written as .tmp, then renamed).
+    `abort()` (or an exception inside a `with` block) removes the partial files."""
 
     def __init__(self, prefix: str, vocab_size: int):
         self.prefix, self.vocab_size = prefix, vocab_size
@@ -44,18 +49,77 @@ class StoreWriter:
         os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
         os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
 
+    def abort(self) -> None:
+        self._bin.close()
+        for ext in (".bin.tmp", ".idx.tmp"):
+            try:
+                os.remove(self.prefix + ext)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, *_):
+        if exc_type is not None:
+            self.abort()
+
 
 class Store:
+    """An opened store, checked on open: header, dtype, file sizes, offsets (monotone, from 0, ending
+    at the token count) and token ids below the vocabulary size (all of them up to 256M tokens, a
+    sample of blocks beyond). Anything off raises StoreError naming the file."""
+
+    _FULL_SCAN = 1 << 28
+
     def __init__(self, prefix: str):
         self.prefix = prefix
-        with open(prefix + ".idx", "rb") as fh:
+        idx, bin_ = prefix + ".idx", prefix + ".bin"
+        for f in (idx, bin_):
+            if not os.path.isfile(f):
+                raise StoreError(f"{f}: missing (a store is PREFIX.bin + PREFIX.idx from tools/preprocess_data.py)")
+        idx_size = os.path.getsize(idx)
+        if idx_size < _HEADER.size:
+            raise StoreError(f"{idx}: {idx_size} bytes, shorter than the {_HEADER.size}-byte header (truncated?)")
+        with open(idx, "rb") as fh:
             magic, code, n_docs, self.vocab_size = _HEADER.unpack(fh.read(_HEADER.size))
         if magic != MAGIC:
-            raise ValueError(f"{prefix}.idx is not a torchmeg index (bad magic)")
-        self.offsets = np.memmap(prefix + ".idx", dtype=np.int64, mode="r", offset=_HEADER.size, shape=(n_docs + 1,))
+            raise StoreError(f"{idx}: not a torchmeg index (bad magic {magic!r})")
+        if code not in _DTYPES:
+            raise StoreError(f"{idx}: unknown token dtype code {code} (known: 1 = uint16, 2 = uint32)")
+        if n_docs < 0 or self.vocab_size <= 0:
+            raise StoreError(f"{idx}: header says {n_docs} documents, vocab {self.vocab_size} (damaged header)")
+        want = _HEADER.size + 8 * (n_docs + 1)
+        if idx_size != want:
+            raise StoreError(f"{idx}: {idx_size} bytes, but its header's {n_docs:,} documents need {want:,} "
+                             f"({'truncated' if idx_size < want else 'trailing bytes'})")
+        self.offsets = np.memmap(idx, dtype=np.int64, mode="r", offset=_HEADER.size, shape=(n_docs + 1,))
         self.dtype = _DTYPES[code]
         n_tok = int(self.offsets[-1])
-        self.tokens = np.memmap(prefix + ".bin", dtype=self.dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, self.dtype)
+        if self.offsets[0] != 0 or (n_docs and bool((np.diff(self.offsets) < 0).any())) or n_tok < 0:
+            raise StoreError(f"{idx}: document offsets do not start at 0 and rise monotonically (damaged index)")
+        itemsize = np.dtype(self.dtype).itemsize
+        bin_size = os.path.getsize(bin_)
+        if bin_size != n_tok * itemsize:
+            raise StoreError(f"{bin_}: {bin_size:,} bytes, but {idx} indexes {n_tok:,} {np.dtype(self.dtype).name} "
+                             f"tokens = {n_tok * itemsize:,} bytes ({'truncated' if bin_size < n_tok * itemsize else 'extra bytes'}; "
+                             f"the pair does not belong together or was cut short)")
+        self.tokens = np.memmap(bin_, dtype=self.dtype, mode="r", shape=(n_tok,)) if n_tok else np.zeros(0, self.dtype)
+        self._check_ids(bin_)
+
+    def _check_ids(self, path: str) -> None:
+        n = len(self.tokens)
+        if n <= self._FULL_SCAN:
+            spans = [(0, n)]
+        else:  # 64 evenly spread blocks of 1M tokens
+            block = 1 << 20
+            spans = [(s, s + block) for s in np.linspace(0, n - block, 64).astype(np.int64)]
+        for lo, hi in spans:
+            for a in range(lo, hi, 1 << 24):
+                top = int(self.tokens[a:min(hi, a + (1 << 24))].max(initial=0))
+                if top >= self.vocab_size:
+                    raise StoreError(f"{path}: token id {top} near token {a:,} is outside the vocabulary of "
+                                     f"{self.vocab_size} in its .idx header (damaged, or not this store's .bin)")
 
     @property
     def n_docs(self) -> int:

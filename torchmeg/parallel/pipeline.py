@@ -19,6 +19,8 @@ from torch import nn
 SINGLE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split backward into input-gradient (I) and weight-gradient (W) passes.
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 def plan_stages(cfg, n_layers: int, pp: int) -> tuple[int, list[int]]:
@@ -140,8 +142,81 @@ def build_schedule(parts, ids, n_stages: int, device: torch.device, pp_group, n_
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import get_schedule_class
     stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, ids)]
+    for stage in stages:
+        _track(stage)
     cls = get_schedule_class(schedule)
     # scale_grads: gradients are divided by the microbatch count, matching a per-microbatch mean loss.
     if schedule in SINGLE:
-        return cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True)
+        return Pipeline(cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True))
+    return Pipeline(cls(stages, n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True))
+
+
+class Pipeline:
+    """A torch schedule plus a forward-only plan for evaluation.
+
+    `schedule.eval()` on the runtime (multi-stage) schedules replays the training action list with
+    backward switched off; ZBVZeroBubble and DualPipeV then fail ("can't steal_bwd_input if this
+    stage doesn't have backward", torch 2.13). Evaluation therefore swaps in an action list of
+    forwards only — each rank's stages in order, every microbatch — lowered with torch's own
+    passes (FSDP unshard/reshard, then send/recv), and swaps the training list back afterwards.
+    """
+
+    def __init__(self, schedule):
+        self.schedule = schedule
+        self._eval_order = _forward_only_order(schedule)
+
+    def step(self, *args, **kw):
+        return self.schedule.step(*args, **kw)
+
+    def eval(self, *args, **kw):
+        if self._eval_order is None:
+            return self.schedule.eval(*args, **kw)
+        train_order = self.schedule.pipeline_order_with_comms
+        self.schedule.pipeline_order_with_comms = self._eval_order
+        try:
+            return self.schedule.eval(*args, **kw)
+        finally:
+            self.schedule.pipeline_order_with_comms = train_order
+
+
+def _forward_only_order(schedule):
+    from torch.distributed.pipelining import schedules as S
+    if not isinstance(schedule, S._PipelineScheduleRuntime):
+        return None  # single-stage schedules evaluate correctly on their own
+    to_rank = schedule.stage_index_to_group_rank
+    order = {}
+    for rank in range(schedule.pp_group_size):
+        mine = sorted(s for s, r in to_rank.items() if r == rank)
+        order[rank] = S._add_unshard_reshard([S._Action(s, S._ComputationType.FORWARD, mb)
+                                              for s in mine for mb in range(schedule._n_microbatches)])
+    return S._add_send_recv(order, stage_to_rank=lambda s: to_rank[s], num_stages=schedule._num_stages)
+
+
+# The pipeline action this process is running (or ran last), for the hang watchdog's report.
+_INFLIGHT = {"action": None, "t0": 0.0, "done": True}
+
+
+def _track(stage) -> None:
+    """Record every compute action of `stage` (forward, backward, weight-grad) as it starts/ends."""
+    import time
+    for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+        fn = getattr(stage, method)
+
+        def wrapped(mb, *a, _fn=fn, _kind=kind, **kw):
+            if _kind == "B" and kw.get("full_backward") is False:
+                _kind = "I"
+            _INFLIGHT.update(action=f"{_kind} stage {stage.stage_index} microbatch {mb}", t0=time.monotonic(), done=False)
+            out = _fn(mb, *a, **kw)
+            _INFLIGHT["done"] = True
+            return out
+        setattr(stage, method, wrapped)
+
+
+def describe_inflight() -> str:
+    import time
+    a = _INFLIGHT
+    if a["action"] is None:
+        return "pipeline: no action started yet"
+    if a["done"]:
+        return f"pipeline: last action {a['action']} finished; now waiting on communication (p2p or collective)"
+    return f"pipeline: in action {a['action']} for {time.monotonic() - a['t0']:.1f} s"
