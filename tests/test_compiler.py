@@ -1,5 +1,7 @@
 """Compiler-side transforms: torch.compile, activation recompute and float8 train like eager fp32."""
 
+import re
+
 import pytest
 import torch
 
@@ -33,7 +35,11 @@ def test_compiled_matches_eager(name, ranks, local, layout, tmp_path, eager, ind
     p = run_cli(BASE + [f"--training.local_batch_size={local}", "--compile.enable=true"] + layout, tmp_path,
                 nproc=ranks, env=inductor_cache, timeout=300)
     compare(eager, read_metrics(tmp_path), 1e-4)
-    assert "Recompiling" not in p.stderr, p.stderr[-2000:]
+    # Validation runs under no_grad: one recompile per graph for that is expected; any other
+    # reason (shapes, dtypes, guards on values) is a silent slowdown and fails the test.
+    reasons = re.findall(r"- \d+/\d+: (.*)", p.stderr)
+    assert len(reasons) >= p.stderr.count("Recompiling function"), p.stderr[-3000:]
+    assert all("grad_mode" in r for r in reasons), reasons
 
 
 def _grads(mode, option="op"):

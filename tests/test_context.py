@@ -1,8 +1,13 @@
-"""Context parallel: the sequence split over ranks trains exactly like one process."""
+"""Context parallel: the sequence split over ranks trains exactly like one process, in every mode."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import reference_run, TINY, assert_parity, read_metrics, run_cli
+from conftest import ROOT, reference_run, TINY, assert_parity, read_metrics, run_cli
 from torchmeg.config import ConfigError, load_config, validate
 from torchmeg.parallel.context import positions, shard_sequence
 
@@ -24,19 +29,89 @@ def reference(tmp_path_factory):
 def _args(model):
     if model == ("gpt2",):
         return [a for a in BASE if not a.startswith(("--model.n_kv_heads", "--model.multiple_of"))] + ["--model.name=gpt2"]
+    if model == ("kv4",):  # alltoall at cp 4 splits kv heads 4 ways
+        return BASE + ["--model.n_kv_heads=4"]
     return list(BASE)
 
 
+M = P + "context_parallel_mode="
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])  # alltoall cannot split 2 kv heads 8 ways
+def test_128k_recipe_attention_needs_no_local_by_seq_tensor(mode):
+    """recipes/llama3_8b_long_context.toml's attention (seq 131072, CP 8, heads 32/8 under TP 4 ->
+    8/2 per rank, head dim 128), planned under FakeTensorMode: no op produces a tensor of
+    local_len x seq_len elements (one head's mask or score matrix)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cp_kernel_worker.py"), "planned", mode,
+                        "8", "131072", "8", "2", "128"], cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["largest"] < r["local_x_seq"] // 8, r  # the largest is K/V-sized, not mask-sized
+
+
+def test_attention_memory_at_8k_is_a_quarter_of_the_dense_kernel(tmp_path):
+    """tools/cp_bench.py at seq 8192, CP 2: peak memory of the attention path (VmHWM above the
+    inputs) of block attention vs the dense-mask kernel torchmeg had before; and the bytes."""
+    p = subprocess.run([sys.executable, "tools/cp_bench.py", "--seq", "8192", "--modes", "dense,allgather,ring",
+                        "--steps", "1", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["mode"]: r for r in json.load(open(tmp_path / "cp_bench.json"))}
+    for mode in ("allgather", "ring"):
+        assert rows[mode]["attn_mem_mib"] <= rows["dense"]["attn_mem_mib"] / 4, rows
+    assert rows["allgather"]["comm_bytes"] * 2 == rows["dense"]["comm_bytes"]  # heads 4 / kv heads 2
+    assert os.path.getsize(tmp_path / "cp_bench.png") > 1000
+
+
 @pytest.mark.parametrize("name, ranks, local, layout, model", [
-    ("cp2", 2, 4, [P + "context_parallel_degree=2"], ()),
-    ("cp2_tp2", 4, 4, [P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"], ()),
-    ("cp2_fsdp2", 4, 2, [P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], ()),
-    ("gpt2_cp2", 2, 4, [P + "context_parallel_degree=2"], ("gpt2",)),
+    ("cp2_allgather", 2, 4, [P + "context_parallel_degree=2", M + "allgather"], ()),
+    ("cp2_ring", 2, 4, [P + "context_parallel_degree=2", M + "ring"], ()),
+    ("cp2_alltoall", 2, 4, [P + "context_parallel_degree=2", M + "alltoall"], ()),
+    ("cp4_allgather", 4, 4, [P + "context_parallel_degree=4", M + "allgather"], ()),
+    ("cp4_ring", 4, 4, [P + "context_parallel_degree=4", M + "ring"], ()),
+    ("cp4_alltoall", 4, 4, [P + "context_parallel_degree=4", M + "alltoall"], ("kv4",)),
+    ("cp2_tp2_ring", 4, 4, [P + "context_parallel_degree=2", P + "tensor_parallel_degree=2", M + "ring"], ()),
+    ("cp2_fsdp2_allgather", 4, 2, [P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], ()),
+    ("cp2_pp2_ring", 4, 4, [P + "context_parallel_degree=2", P + "pipeline_parallel_degree=2", M + "ring"], ()),
+    ("gpt2_cp2_alltoall", 2, 4, [P + "context_parallel_degree=2", M + "alltoall"], ("gpt2",)),
 ])
 def test_cp_matches_single_process(name, ranks, local, layout, model, tmp_path, reference):
     p = run_cli(_args(model) + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
-    assert "cp=2" in p.stdout
-    assert_parity(reference(model), read_metrics(tmp_path))
+    assert "cp=" in p.stdout
+    assert_parity(reference(model), read_metrics(tmp_path))  # train loss, grad norm and val_loss
+
+
+def _kernel_run(mode, cp, L, H, K, D=8):
+    """tests/cp_kernel_worker.py on cp ranks: per-rank errors vs one device, work and bytes."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
+           os.path.join(ROOT, "tests", "cp_kernel_worker.py"), mode, str(cp), str(L), str(H), str(K), str(D)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring", "alltoall"])
+@pytest.mark.parametrize("cp, H, K", [(2, 4, 2), (4, 8, 4)])
+def test_cp_attention_kernel_matches_one_device(mode, cp, H, K):
+    """Output and q/k/v gradients of each mode vs causal SDPA on the whole sequence (GQA), and the
+    work done: exactly the causal half plus the diagonal chunk pairs, no block above it."""
+    B, L = 2, 64
+    rows = _kernel_run(mode, cp, L, H, K)
+    assert len(rows) == cp
+    for r in rows:
+        assert max(r["out"], r["dq"], r["dk"], r["dv"]) < 1e-5, r
+    c, n = L // (2 * cp), 2 * cp
+    causal = B * H * (n * (n - 1) // 2 * c * c + n * c * c / 2)  # full pairs below + half the diagonal
+    assert sum(r["pairs"] for r in rows) == causal
+
+
+def test_allgather_moves_kv_heads_not_query_heads():
+    """K/V are gathered with n_kv_heads and repeated after the exchange: bytes scale with kv heads."""
+    one, two = _kernel_run("allgather", 2, 64, 4, 1), _kernel_run("allgather", 2, 64, 4, 2)
+    gathered = [rows[0]["comm"]["c10d_functional.all_gather_into_tensor"] for rows in (one, two)]
+    assert gathered[1] == 2 * gathered[0]
+    assert gathered[0] == 2 * 2 * 1 * 32 * 8 * 4  # k and v: B 2 x kv heads 1 x local 32 x D 8 x fp32
 
 
 def test_load_balanced_layout():
@@ -57,7 +132,7 @@ def test_bad_cp_layouts():
     cfg = load_config(None, TINY + ["--data.seq_len=36", P + "context_parallel_degree=2", P + "tensor_parallel_degree=2"])
     with pytest.raises(ConfigError, match="multiple of 8"):
         validate(cfg, world_size=4)
-    cfg = load_config(None, TINY + [P + "context_parallel_degree=2", P + "pipeline_parallel_degree=2",
-                                    "--model.n_layers=4"])
-    with pytest.raises(ConfigError, match="not yet supported"):
+    cfg = load_config(None, TINY + [P + "context_parallel_degree=4", P + "context_parallel_mode=alltoall"])
+    with pytest.raises(ConfigError, match="n_kv_heads = 2 is not divisible by context_parallel_degree x "
+                                          "tensor_parallel_degree = 4"):
         validate(cfg, world_size=4)

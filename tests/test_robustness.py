@@ -115,3 +115,17 @@ def test_job_name_may_nest_inside_dump_folder(tmp_path):
     p = run_cli(TINY + ["--training.steps=1"], tmp_path, name="../escape", check=False)
     assert p.returncode == 2 and "job.name" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path.parent / "escape").exists()
+
+
+def test_failure_under_torchrun_max_restarts_resumes(tmp_path):
+    """The fail-fast exit hands torchrun a failed group; with --max-restarts it restarts it, the
+    restart resumes from the newest checkpoint and finishes (metrics: each step once)."""
+    args = TINY + ["--training.steps=6", "--checkpoint.enable=true", "--checkpoint.interval=3",
+                   P + "data_parallel_shard_degree=2", "--training.local_batch_size=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
+    env = dict(os.environ, TORCHMEG_TEST_RAISE_AT_STEP="5", TORCHMEG_TEST_FAULT_RANK="1", PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "injected failure at step 5 on rank 1" in p.stderr and "resumed   from step 3" in p.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 7))

@@ -22,13 +22,14 @@ def setup(cache_dir: str = "") -> None:
     torch._logging.set_logs(recompiles=True)
 
 
-def compile_blocks(model: nn.Module, tp: bool = False) -> None:
+def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False) -> None:
     for block in blocks(model):
         # In place (nn.Module.compile): parameter names stay as the model wrote them. Dropless MoE
-        # routing sizes each expert's slice from the data (a graph break), so MoE blocks compile
-        # in pieces; every other block must compile whole.
+        # routing sizes each expert's slice from the data, and context-parallel attention talks to
+        # its peers (both graph breaks), so those blocks compile in pieces; every other block must
+        # compile whole.
         moe = any(is_grouped_experts(m) for m in block.modules())
-        block.compile(fullgraph=not moe)
+        block.compile(fullgraph=not (moe or cp))
     if tp and getattr(model, "tok_embeddings", None) is not None:
         # A compiled TP block fed straight from the TP embedding fails in backward
         # ('Tensor' object has no attribute '_local_tensor'); a clone of the embedding output

@@ -104,6 +104,8 @@ class Parallelism:
     pipeline_parallel_microbatches: int = _f(-1, lo=-1)
     pipeline_parallel_layers_per_stage: Union[int, list] = _f(-1)
     context_parallel_degree: int = _f(1, lo=1)
+    context_parallel_mode: str = _f("allgather", choices=["allgather", "ring", "alltoall"],
+                                    help="K/V exchange of context-parallel attention")
     expert_parallel_degree: int = _f(1, lo=1)
     enable_async_tensor_parallel: bool = _f(False)
     fsdp_reshard_after_forward: bool = _f(True)

@@ -155,8 +155,10 @@ class Watchdog:
 
 def inject_fault(step: int, rank: int) -> None:
     """Tests: TORCHMEG_TEST_RAISE_AT_STEP / TORCHMEG_TEST_HANG_AT_STEP = N (+ TORCHMEG_TEST_FAULT_RANK,
-    default 0) make that rank raise, or block forever, inside step N."""
-    if os.environ.get("TORCHMEG_TEST_FAULT_RANK", "0") != str(rank):
+    default 0) make that rank raise, or block forever, inside step N — on torchrun's first attempt
+    only, so a restarted group can show that it resumes."""
+    if (os.environ.get("TORCHMEG_TEST_FAULT_RANK", "0") != str(rank)
+            or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"):
         return
     if os.environ.get("TORCHMEG_TEST_RAISE_AT_STEP") == str(step):
         raise RuntimeError(f"injected failure at step {step} on rank {rank}")

@@ -270,8 +270,8 @@ class Trainer:
         if train:
             from torchmeg.guard import inject_fault
             inject_fault(self.step + 1, self.rank)
-        inputs = torch.cat([b[0] for b in batches]).to(self.device)
-        labels = torch.cat([b[1] for b in batches]).to(self.device)
+        inputs = self._local(torch.cat([b[0] for b in batches]))
+        labels = self._local(torch.cat([b[1] for b in batches]))
         losses = []
         args = (inputs,) if self.has_first else ()
         kw = {"target": labels, "losses": losses} if self.has_last else {}

@@ -79,8 +79,13 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def causal_attention(q_BHLD, k_BHLD, v_BHLD):
-    return F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True)
+def causal_attention(q_BHLD, k_BKLD, v_BKLD):
+    """The attention kernel contract: q with H heads, k/v with K heads (K divides H; GQA).
+    A kernel repeats K/V as late as it can: a context-parallel one only after its exchange."""
+    rep = q_BHLD.shape[1] // k_BKLD.shape[1]
+    if rep > 1:  # GQA: each kv head serves `rep` query heads
+        k_BKLD, v_BKLD = k_BKLD.repeat_interleave(rep, dim=1), v_BKLD.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -102,10 +107,7 @@ class Attention(nn.Module):
         q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
         k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
-        rep = q_BLHD.shape[2] // k_BLKD.shape[2]
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
-        if rep > 1:  # GQA: each kv head serves `rep` query heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         o_BHLD = self.sdpa(q, k, v)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 

@@ -67,7 +67,7 @@ class ParallelDims:
             check(cfg, args, self.pp)
         if self.cp > 1:
             from torchmeg.parallel.context import check as check_cp
-            check_cp(cfg, self)
+            check_cp(cfg, args, self)
         if self.ep > 1:
             from torchmeg.parallel.expert import check as check_ep
             check_ep(cfg, args, self)

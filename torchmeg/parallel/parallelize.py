@@ -47,7 +47,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
             _enable_async_tp(mesh["tp"])
     if dims.cp > 1:
         from torchmeg.parallel.context import apply_cp
-        apply_cp(model, mesh["cp"])
+        apply_cp(model, mesh["cp"], p.context_parallel_mode)
     expert_mesh = None
     if dims.ep > 1:
         from torchmeg.parallel.expert import apply_ep
@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     if cfg.compile.enable and "model" in cfg.compile.components:
         from torchmeg.compile import compile_blocks, setup
         setup(cfg.compile.cache_dir)
-        compile_blocks(model, tp=dims.tp > 1)
+        compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
     if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):
