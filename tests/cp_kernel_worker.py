@@ -6,7 +6,6 @@ attention on the full sequence. Also reports the attention work done (PairCounte
 each collective moved (CommDebugMode). Prints one JSON line.
 """
 import json
-import os
 import sys
 
 import torch

@@ -69,7 +69,7 @@ def test_profiling_writes_a_trace_per_rank(tmp_path):
                         "--profiling.active_steps=1", P + "data_parallel_shard_degree=2",
                         "--training.local_batch_size=2"], tmp_path, nproc=2)
     folder = tmp_path / "run" / "profile" / "step-000004"
-    assert f"[profile] step 4: trace, memory timeline per rank in" in p.stdout, p.stdout[-2000:]
+    assert "[profile] step 4: trace, memory timeline per rank in" in p.stdout, p.stdout[-2000:]
     for r in (0, 1):
         trace = json.load(open(folder / f"rank{r}.trace.json"))
         names = {e.get("name") for e in trace["traceEvents"]}

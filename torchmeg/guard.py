@@ -28,7 +28,7 @@ import traceback
 FAILED_KEY = "torchmeg/failed"
 EXIT_FAILED, EXIT_CONFIG, EXIT_HUNG = 1, 2, 3
 
-_store = None  # the job's store (set by train.init_distributed); may be gone if its host died
+_store = None  # the job's store (set by runtime.init_distributed); may be gone if its host died
 
 
 def set_store(store) -> None:

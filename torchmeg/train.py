@@ -6,7 +6,6 @@ any process group exists.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import os
 import sys
@@ -17,8 +16,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchmeg import __version__
+from torchmeg import __version__, guard
 from torchmeg.config import Config, ConfigError, load_config, validate
+from torchmeg.runtime import StopFlag, init_distributed, inject_kill, inject_nan, pick_device
 
 
 # Known, harmless deprecation notices from torch/torchdata internals; they would bury the log.
@@ -46,37 +46,6 @@ def parse_args(argv: list[str]) -> Config:
     return load_config(path, rest)
 
 
-def pick_device(cfg) -> torch.device:
-    from torchmeg.features import device_type
-    if device_type(cfg) == "cuda":
-        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
-
-
-def init_distributed(device: torch.device) -> None:
-    """Always a process group (a world of 1 too), so one code path serves every layout."""
-    timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHMEG_PG_TIMEOUT", "300")))
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        kw = {"device_id": device} if device.type == "cuda" else {}
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # torchrun's c10d rendezvous shares one TCPStore across restarts, and process-group keys
-        # are the same in every attempt: without a per-attempt prefix a restarted rank reads its
-        # dead peer's address ("connectFullMesh ... Connection refused"). Measured, torch 2.13.
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                              is_master=rank == 0 and not agent_store, timeout=timeout)
-        store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
-    else:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-    from torchmeg import guard
-    guard.set_store(store)  # where a failing rank leaves its error for the others
-
-
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
@@ -94,13 +63,12 @@ class Trainer:
         from torchmeg.parallel import ParallelDims
         from torchmeg.parallel.parallelize import parallelize
 
-        from torchmeg.guard import Watchdog
         from torchmeg.parallel.pipeline import describe_inflight
         self.cfg = cfg
         self.device = pick_device(cfg)
         init_distributed(self.device)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.watchdog = Watchdog(cfg, self.rank, describe_inflight if cfg.parallelism.pipeline_parallel_degree > 1 else None)
+        self.watchdog = guard.Watchdog(cfg, self.rank, describe_inflight if cfg.parallelism.pipeline_parallel_degree > 1 else None)
         if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -169,9 +137,8 @@ class Trainer:
         from torchmeg.data.sources import cache_dir
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
-        # Resume: the newest committed checkpoint (if any) sets the weights, optimizer, schedule and step;
-        # the data position follows from the step alone.
-        # The data position is a function of the step (sample_offset is non-zero only after a resume
+        # Resume: the newest intact checkpoint (if any) sets the weights, optimizer, schedule and step;
+        # the data position follows from the step (sample_offset is non-zero only after a resume
         # that remapped it by tokens, see checkpoint.remap_data_position).
         self.step, self.ckpt, self.sample_offset = 0, None, 0
         if cfg.checkpoint.enable:
@@ -210,10 +177,9 @@ class Trainer:
                     # Reduce gradients once, after the last microbatch.
                     self.model.set_requires_gradient_sync(m == self.accum - 1)
                 with self._ctx():
-                    from torchmeg.guard import inject_fault
-                    inject_fault(self.step + 1, self.rank)
+                    guard.inject_fault(self.step + 1, self.rank)
                     loss = self.loss_fn(self.model(inputs), labels) / self.accum
-                    if _inject_nan(self.step + 1):
+                    if inject_nan(self.step + 1):
                         loss = loss * float("nan")
                     loss.backward()
                 loss_sum += _scalar(loss.detach()).float()
@@ -268,8 +234,7 @@ class Trainer:
         """One schedule run over the step's sequences; the loss (mean over microbatches) is known
         on the last stage's rank and summed over the pipeline group so every rank holds it."""
         if train:
-            from torchmeg.guard import inject_fault
-            inject_fault(self.step + 1, self.rank)
+            guard.inject_fault(self.step + 1, self.rank)
         inputs = self._local(torch.cat([b[0] for b in batches]))
         labels = self._local(torch.cat([b[1] for b in batches]))
         losses = []
@@ -337,7 +302,7 @@ class Trainer:
         self.header()
         if self.start_step and self.rank == 0:
             print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes), flush=True)
-        stop = _StopFlag()
+        stop = StopFlag()
         it = iter(self.loader)
         tokens_per_step = self.global_batch * cfg.data.seq_len
         window_t, window_steps, skipped_in_a_row = 0.0, 0, 0
@@ -392,7 +357,7 @@ class Trainer:
                 wd.begin(f"checkpoint save at step {step}")
                 self.ckpt.save(step, last=last)
                 wd.end()
-            _inject_kill(step, self.rank)
+            inject_kill(step, self.rank)
             if preempted:
                 if self.rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if self.ckpt else ""), flush=True)
@@ -418,38 +383,6 @@ class Trainer:
             dist.destroy_process_group()
 
 
-class _StopFlag:
-    """SIGTERM (pre-emption) sets a flag; ranks agree on it after each step, so all stop together."""
-
-    def __init__(self):
-        import signal
-        self.flag = False
-        signal.signal(signal.SIGTERM, self._set)
-
-    def _set(self, *_):
-        self.flag = True
-
-    def agreed(self) -> bool:
-        t = torch.tensor([1.0 if self.flag else 0.0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-
-def _inject_nan(step: int) -> bool:
-    """Test hook: TORCHMEG_TEST_NAN_AT_STEP=N makes step N's loss NaN."""
-    return os.environ.get("TORCHMEG_TEST_NAN_AT_STEP") == str(step)
-
-
-def _inject_kill(step: int, rank: int) -> None:
-    """Test hook: TORCHMEG_TEST_KILL_AT_STEP=N (+ _RANK) SIGKILLs one rank after step N, on the
-    first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT)."""
-    if (os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step)
-            and os.environ.get("TORCHMEG_TEST_KILL_RANK", "0") == str(rank)
-            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        import signal
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _parts(ds):
     src = ds.src
     return src.sources if hasattr(src, "sources") else [src]
@@ -466,7 +399,6 @@ def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 failed (on any rank), 2 bad recipe, 3 hang (watchdog)."""
-    from torchmeg import guard
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(argv)

@@ -1,0 +1,73 @@
+"""Process-level plumbing of a run: the device, the process group (on a per-attempt store),
+the agreed SIGTERM stop, and the fault-injection hooks the tests use."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from torchmeg import guard
+
+
+def pick_device(cfg) -> torch.device:
+    from torchmeg.features import device_type
+    if device_type(cfg) == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> None:
+    """Always a process group (a world of 1 too), so one code path serves every layout."""
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHMEG_PG_TIMEOUT", "300")))
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # torchrun's c10d rendezvous shares one TCPStore across restarts, and process-group keys
+        # are the same in every attempt: without a per-attempt prefix a restarted rank reads its
+        # dead peer's address ("connectFullMesh ... Connection refused"). Measured, torch 2.13.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                              is_master=rank == 0 and not agent_store, timeout=timeout)
+        store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
+    else:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    guard.set_store(store)  # where a failing rank leaves its error for the others
+
+
+class StopFlag:
+    """SIGTERM (pre-emption) sets a flag; ranks agree on it after each step, so all stop together."""
+
+    def __init__(self):
+        import signal
+        self.flag = False
+        signal.signal(signal.SIGTERM, self._set)
+
+    def _set(self, *_):
+        self.flag = True
+
+    def agreed(self) -> bool:
+        t = torch.tensor([1.0 if self.flag else 0.0])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+
+def inject_nan(step: int) -> bool:
+    """Test hook: TORCHMEG_TEST_NAN_AT_STEP=N makes step N's loss NaN."""
+    return os.environ.get("TORCHMEG_TEST_NAN_AT_STEP") == str(step)
+
+
+def inject_kill(step: int, rank: int) -> None:
+    """Test hook: TORCHMEG_TEST_KILL_AT_STEP=N (+ _RANK) SIGKILLs one rank after step N, on the
+    first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT)."""
+    if (os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step)
+            and os.environ.get("TORCHMEG_TEST_KILL_RANK", "0") == str(rank)
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
