@@ -8,7 +8,8 @@ Each run is `torchrun --standalone --nproc_per_node=N -m torchmeg.train` on a ti
 steps with validation and a checkpoint save on (the defaults users hit), exactly as a user launches
 it. A run counts as bad if torchrun exits non-zero, or a worker printed "terminate called" (an
 exit-time abort that torchrun may still report as success on some versions). Prints one line per
-layout and the tail of each bad run's output; exits 1 if any run was bad.
+layout and the tail of each bad run's output (the whole of it goes to --logs); exits 1 if any run
+was bad.
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", nargs="+", default=["pp2", "fsdp2", "tp2"], choices=sorted(LAYOUTS))
     ap.add_argument("--runs", type=int, default=100, help="runs per layout")
     ap.add_argument("--timeout", type=int, default=120, help="seconds per run before it counts as a hang")
+    ap.add_argument("--logs", default="outputs/stress", help="where the full output of each bad run is kept")
     ap.add_argument("extra", nargs="*", help="more overrides for every run, after --")
     a = ap.parse_args(argv)
     bad_total = 0
@@ -73,6 +75,9 @@ def main(argv=None) -> int:
             times.append(dt)
             if rc != 0:
                 bad.append((i, rc, out))
+                os.makedirs(a.logs, exist_ok=True)
+                with open(os.path.join(a.logs, f"{name}-run{i}.log"), "w") as fh:
+                    fh.write(out)
             print(f"\r{name}: {i + 1}/{a.runs} runs, {len(bad)} bad", end="", flush=True)
         print(f"\r{name:8s} ranks {ranks}: {a.runs} runs, {len(bad)} non-zero exits "
               f"(codes: {sorted(set(c for c in codes if c)) or '-'}), median {statistics.median(times):.1f} s/run",

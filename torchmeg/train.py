@@ -374,10 +374,14 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        """The clean end of a successful run: nothing left in flight, then one barrier so no rank
-        tears down its sockets while a peer still talks to it, then the groups go."""
-        del self.loader  # ends loader worker processes, if any
-        self.schedule = None  # pipelining stages hold p2p buffers and works
+        """The clean end of a successful run. Whatever may still hold communication work (the
+        model's FSDP state, the optimizer, pipelining stages with their p2p works, the loader's
+        workers) is released and collected while the interpreter is whole; one barrier, so no rank
+        tears down its sockets while a peer still talks to it; then the groups go."""
+        import gc
+        for name in ("loader", "schedule", "model", "optimizer", "scheduler", "params", "expert_params", "ckpt"):
+            setattr(self, name, None)
+        gc.collect()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -429,4 +433,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Leave without interpreter teardown: a gloo work object that outlives destroy_process_group()
+    # and is destroyed while the interpreter shuts down needs the GIL and aborts the process
+    # ("terminate called without an active exception", SIGABRT; measured on 2/100 FSDP2 runs
+    # before this). Everything that must reach disk was closed and flushed above.
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
