@@ -247,9 +247,12 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        """Mean loss over validation.steps global batches of the held-out split: the same samples
+        under every layout with the same global batch (microbatches included), so val_loss is
+        comparable across layouts."""
         from torchmeg.data import build_loader
         v, t = self.cfg.validation, self.cfg.training
-        accum = self.accum if self.schedule is not None else 1  # a schedule step takes local x accum sequences
+        accum = self.accum
         loader = build_loader(self.val_set, t.local_batch_size, self.dims.dp, self.dp_rank, accum, 0, v.steps)
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -260,7 +263,8 @@ class Trainer:
         else:
             for inputs, labels in loader:
                 with self._ctx():
-                    total += _scalar(self.loss_fn(self.model(self._local(inputs)), self._local(labels))).float()
+                    loss = self.loss_fn(self.model(self._local(inputs)), self._local(labels))
+                total += _scalar(loss).float() / accum  # a step's loss: the mean of its microbatches
         self.model.train()
         for m in self.moe_layers:  # evaluation traffic is not training load
             m.tokens_per_expert.zero_()
