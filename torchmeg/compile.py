@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchmeg.models.moe import is_grouped_experts
-from torchmeg.parallel.data import blocks
+from torchmeg.models.blocks import blocks
 
 
 def setup(cache_dir: str = "") -> None:
@@ -22,8 +22,14 @@ def setup(cache_dir: str = "") -> None:
     torch._logging.set_logs(recompiles=True)
 
 
-def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False) -> None:
-    for block in blocks(model):
+def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_path: str = "") -> int:
+    """Compile every block in place; returns how many. No blocks is an error: compiling nothing
+    while compile.enable = true would be a silent no-op."""
+    found = blocks(model, blocks_path)
+    if not found:
+        raise ValueError("compile.enable = true: no blocks found to compile (no ModuleList / ModuleDict / "
+                         "Sequential of layers in the model); name them with model.blocks / parallelize(blocks=...)")
+    for block in found:
         # In place (nn.Module.compile): parameter names stay as the model wrote them. Dropless MoE
         # routing sizes each expert's slice from the data, and context-parallel attention talks to
         # its peers (both graph breaks), so those blocks compile in pieces; every other block must
@@ -35,6 +41,7 @@ def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False) -> None
         # ('Tensor' object has no attribute '_local_tensor'); a clone of the embedding output
         # gives the graph an ordinary input (measured, torch 2.13).
         model.tok_embeddings.register_forward_hook(lambda m, i, out: out.clone())
+    return len(found)
 
 
 def compile_loss(fn):

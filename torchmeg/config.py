@@ -43,6 +43,7 @@ class Job:
 class Model:
     name: str = _f("llama", help="registry key")
     flavor: str = _f("debug")
+    blocks: str = _f("", help="FQN of the ModuleList/ModuleDict/Sequential of repeated blocks; '' = found")
     # Any field of the flavor's args (dim, n_layers, ...) may be set in [model]; they land here
     # and are checked against the model's own argument dataclass.
     overrides: dict = field(default_factory=dict)

@@ -28,6 +28,7 @@ import traceback
 FAILED_KEY = "torchmeg/failed"
 EXIT_FAILED, EXIT_CONFIG, EXIT_HUNG = 1, 2, 3
 
+_STORE_GONE = "the rank hosting the job's store (rank 0) is gone"
 _store = None  # the job's store (set by runtime.init_distributed); may be gone if its host died
 
 
@@ -44,7 +45,7 @@ def _peer_failure() -> str | None:
         if _store.check([FAILED_KEY]):
             return _store.get(FAILED_KEY).decode()
     except Exception:  # noqa: BLE001 - the store's host may be the rank that failed
-        return "the rank hosting the job's store (rank 0) is gone"
+        return _STORE_GONE
     return None
 
 
@@ -60,6 +61,8 @@ def _record_failure(text: str) -> None:
 def report_failure(exc: BaseException, rank: int) -> None:
     """Print the root cause once (tagged with the rank), or one line if a peer failed first."""
     peer = _peer_failure()
+    if peer == _STORE_GONE:  # cannot tell whether rank 0 failed first: report this rank's own error
+        peer = None
     if peer is not None and not peer.startswith(f"rank {rank}:"):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"torchmeg: rank {rank}: stopping because {peer} ({type(exc).__name__}: {first[:200]})",

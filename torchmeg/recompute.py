@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchmeg.parallel.data import blocks
+from torchmeg.models.blocks import find_blocks
 
 
 def _save_ops() -> set:
@@ -43,15 +43,21 @@ def _wrap(block: nn.Module, selective_op: bool) -> nn.Module:
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_recompute(model: nn.Module, ac_cfg) -> None:
-    layers = getattr(model, "layers", None)
-    if not blocks(model):
-        raise ValueError("activation recompute needs the model's blocks in `model.layers`")
+def apply_recompute(model: nn.Module, ac_cfg, blocks_path: str = "") -> int:
+    """Wrap blocks for recompute in place; returns how many were wrapped."""
+    _, layers = find_blocks(model, blocks_path)
+    if layers is None:
+        raise ValueError(f"activation_checkpoint.mode = {ac_cfg.mode!r}: no blocks found to recompute (no "
+                         f"ModuleList / ModuleDict / Sequential of layers in the model); name them with "
+                         f"model.blocks / parallelize(blocks=...)")
     every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
     selective_op = ac_cfg.mode == "selective" and ac_cfg.selective_option == "op"
+    wrapped = 0
     for i, (name, block) in enumerate(list(layers.named_children())):
         # Count by the model's own layer number where it has one, so a pipeline stage holding
         # layers 4..7 recomputes the same layers as the whole model would.
         n = int(name) if name.isdigit() else i
         if (n + 1) % every == 0:
             layers.register_module(name, _wrap(block, selective_op))
+            wrapped += 1
+    return wrapped

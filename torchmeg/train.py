@@ -61,7 +61,7 @@ class Trainer:
         from torchmeg.models import active_params, build_model, count_params, flops_per_token, get_spec, materialize
         from torchmeg.optim import build_lr_scheduler, build_optimizer
         from torchmeg.parallel import ParallelDims
-        from torchmeg.parallel.parallelize import parallelize
+        from torchmeg.parallel.parallelize import describe_report, parallelize
 
         from torchmeg.parallel.pipeline import describe_inflight
         self.cfg = cfg
@@ -110,6 +110,7 @@ class Trainer:
             for part in parts:
                 parallelize(part, dims, cfg, mesh=mesh)
                 materialize(part, self.device, cfg.job.seed, shard=_local_shard)
+            self.parallel_report = " | ".join(describe_report(part.torchmeg_report) for part in parts)
             self.has_first, self.has_last = 0 in ids, len(counts) - 1 in ids
             self.schedule = pl.build_schedule(parts, ids, len(counts), self.device, self.pp_group,
                                               pl.microbatches(cfg, dims.pp, v, self.accum), cross_entropy, sched)
@@ -119,6 +120,7 @@ class Trainer:
             model = pl.StageUnion(parts, self.spec.layers_attr)
         else:
             model = parallelize(model, dims, cfg, mesh=mesh)
+            self.parallel_report = describe_report(model.torchmeg_report)
             materialize(model, self.device, cfg.job.seed, shard=_local_shard)
         self.model = model
         self.params = list(model.parameters())
@@ -290,6 +292,7 @@ class Trainer:
             f"{self.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
             f"layout     {d.describe()} | {self.device.type} ({backend}) | {c.training.mixed_precision}"
             + (f" | {self.stage_desc}" if self.schedule is not None else ""),
+            f"parallel   {self.parallel_report}",
             f"batch      {c.training.local_batch_size} seq x dp {d.dp} x accum {self.accum} = {self.global_batch} "
             f"seq = {self.global_batch * c.data.seq_len:,} tokens/step, {c.training.steps} steps",
             f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "

@@ -106,8 +106,9 @@ register(ModelSpec("llama", Llama, LlamaArgs, LLAMA_FLAVORS,
                    tp_plan=[("tok_embeddings", "embedding")] + _DECODER_TP))
 # GPT-2 adds learned positions to the embedding output outside any module, so its embedding
 # stays replicated and the first block re-shards the sequence.
-register(ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS,
-                   tp_plan=[("tok_embeddings", "embedding_replicate"), ("layers.0", "sp_enter")] + _DECODER_TP,
+register(ModelSpec("gpt2", GPT2, GPT2Args, GPT2_FLAVORS,  # (its MLP has no gate projection w3)
+                   tp_plan=[("tok_embeddings", "embedding_replicate"), ("layers.0", "sp_enter")]
+                   + [e for e in _DECODER_TP if not e[0].endswith(".w3")],
                    pp_first=("tok_embeddings", "pos_embeddings")))
 
 

@@ -304,9 +304,9 @@ class UlyssesAttention:
         return self._to_sequence(o)
 
 
-def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> None:
+def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
     """Swap every attention kernel (modules with an `sdpa` attribute) for the context-parallel
-    one and feed the model the absolute positions of its shard."""
+    one and feed the model the absolute positions of its shard; returns how many were swapped."""
     attn = UlyssesAttention(cp_mesh) if mode == "alltoall" else BlockAttention(cp_mesh, mode)
     n = 0
     for mod in model.modules():
@@ -322,6 +322,7 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> None:
         kwargs["positions"] = positions(args[0].shape[1], rank, size, args[0].device)
         return args, kwargs
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
+    return n
 
 
 def check(cfg, args, dims) -> None:

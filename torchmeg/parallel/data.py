@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torchmeg.models.blocks import blocks
 from torchmeg.models.moe import is_grouped_experts
 
 
@@ -21,37 +22,31 @@ def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def blocks(model: nn.Module) -> list[nn.Module]:
-    """The repeated blocks FSDP wraps one by one: `model.layers` if present."""
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleDict):
-        return list(layers.values())
-    if isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        return list(layers)
-    return []
-
-
 def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forward: bool,
-               expert_mesh=None) -> nn.Module:
-    """fully_shard each block, then the root (embeddings, final norm, output).
+               expert_mesh=None, blocks_path: str = "") -> int:
+    """fully_shard each block, then the root (embeddings, final norm, output); returns the number
+    of FSDP units.
 
     expert_mesh: with expert parallelism, expert weights are already sharded over `ep`; their own
     FSDP unit shards them over the remaining `efsdp` ranks, nested inside the block's unit.
     """
     kw = dict(mesh=mesh, mp_policy=mp_policy(mixed_precision))
-    for block in blocks(model):
+    units = 1
+    for block in blocks(model, blocks_path):
         if expert_mesh is not None:
             for m in block.modules():
                 if is_grouped_experts(m):
                     fully_shard(m, mesh=expert_mesh, mp_policy=mp_policy(mixed_precision),
                                 reshard_after_forward=reshard_after_forward)
+                    units += 1
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+        units += 1
     # The root's parameters are needed right at the start of backward: keep them gathered.
     fully_shard(model, reshard_after_forward=False, **kw)
-    return model
+    return units
 
 
-def apply_ddp(model: nn.Module, mesh, mixed_precision: str) -> nn.Module:
+def apply_ddp(model: nn.Module, mesh, mixed_precision: str, blocks_path: str = "") -> int:
     """Pure replication with gradient all-reduce: FSDP2 over a (dp_replicate, 1) mesh, i.e.
     parameters replicated on every rank and gradients averaged, composable with TP DTensors."""
-    return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward=False)
+    return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward=False, blocks_path=blocks_path)

@@ -17,37 +17,49 @@ from torch import nn
 from torchmeg.features import device_type
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
 from torchmeg.parallel.dims import ParallelDims
-from torchmeg.parallel.tensor import apply_tp
+from torchmeg.parallel.tensor import apply_tp, unmatched_patterns
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None, blocks: str | None = None) -> nn.Module:
     """Apply every enabled parallelism to `model` in place and return it.
 
     `mesh` defaults to `dims.build_mesh(...)`; `tp_plan` defaults to the registry entry of
-    `cfg.model.name` (a list of (FQN pattern, role); see torchmeg.parallel.tensor).
+    `cfg.model.name` (a list of (FQN pattern, role); see torchmeg.parallel.tensor); `blocks` names
+    the container of the model's repeated blocks (default: recipe key model.blocks, else found:
+    torchmeg.models.blocks). What was done is in `model.torchmeg_report` (a dict) and
+    `describe_report()`; nothing enabled is ever silently skipped.
     """
+    from torchmeg.models.blocks import find_blocks
     device = device_type(cfg)
     if mesh is None:
         mesh = dims.build_mesh(device)
     p = cfg.parallelism
+    path, container = find_blocks(model, cfg.model.blocks if blocks is None else blocks)
+    report = {"blocks": path, "n_blocks": len(container) if container is not None else 0}
     float8_tp = False
     if cfg.float8.enable:
-        from torchmeg.float8 import apply_float8
+        from torchmeg.float8 import apply_float8, is_float8_linear
         converted = apply_float8(model, cfg.float8, device)
+        report["float8_linears"] = sum(1 for m in model.modules() if is_float8_linear(m))
         # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
         # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
         float8_tp = converted and cfg.float8.recipe == "tensorwise" and device == "cuda"
     if dims.tp > 1:
+        # A plan the caller wrote must match the model; a registry plan serves every flavor of a
+        # model (e.g. MoE with and without dense layers), so an entry may legitimately match none.
+        strict = tp_plan is not None and dims.pp == 1
         if tp_plan is None:
             from torchmeg.models import get_spec
             tp_plan = get_spec(cfg.model.name).tp_plan
         # Under PP the last stage's logits feed the schedule's loss: keep them gathered.
-        apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel and dims.pp == 1, float8_tp)
+        matched = apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel and dims.pp == 1, float8_tp)
+        unmatched_patterns(matched, strict)
+        report["tp_plan"] = matched
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp > 1:
         from torchmeg.parallel.context import apply_cp
-        apply_cp(model, mesh["cp"], p.context_parallel_mode)
+        report["cp_attention"] = apply_cp(model, mesh["cp"], p.context_parallel_mode)
     expert_mesh = None
     if dims.ep > 1:
         from torchmeg.parallel.expert import apply_ep
@@ -55,19 +67,40 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         expert_mesh = dims.ep_mesh["efsdp"]
     if cfg.activation_checkpoint.mode != "none":
         from torchmeg.recompute import apply_recompute
-        apply_recompute(model, cfg.activation_checkpoint)
+        report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:
         from torchmeg.compile import compile_blocks, setup
         setup(cfg.compile.cache_dir)
-        compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1)
+        report["compiled_blocks"] = compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1, blocks_path=path)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
     if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, _reshard_after_forward(cfg, dims), expert_mesh)
+        report["fsdp_units"] = apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, _reshard_after_forward(cfg, dims),
+                                          expert_mesh, path)
     elif dims.dp_replicate > 1:
-        apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision)
+        report["fsdp_units"] = apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision, path)
+    model.torchmeg_report = report
     return model
+
+
+def describe_report(report: dict) -> str:
+    """One line: what parallelize() did to a model."""
+    parts = [f"blocks {report['n_blocks']} at {report['blocks']!r}" if report.get("blocks") else "no blocks found"]
+    if "tp_plan" in report:
+        tp = report["tp_plan"]
+        parts.append(f"TP {len(tp)} plan entries -> {sum(tp.values())} modules")
+    if "cp_attention" in report:
+        parts.append(f"CP {report['cp_attention']} attention modules")
+    if "float8_linears" in report:
+        parts.append(f"float8 {report['float8_linears']} linears")
+    if "recompute_blocks" in report:
+        parts.append(f"recompute {report['recompute_blocks']} blocks")
+    if "compiled_blocks" in report:
+        parts.append(f"compiled {report['compiled_blocks']} blocks")
+    if "fsdp_units" in report:
+        parts.append(f"FSDP {report['fsdp_units']} units")
+    return "; ".join(parts)
 
 
 def _reshard_after_forward(cfg, dims: ParallelDims) -> bool:

@@ -90,24 +90,42 @@ def _matches(pattern: str, fqn: str) -> bool:
     return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))
 
 
-def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False) -> dict:
-    """Pattern plan -> {module FQN: ParallelStyle} for the modules this (stage) model has."""
+def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False,
+                matched: dict | None = None) -> dict:
+    """Pattern plan -> {module FQN: ParallelStyle} for the modules this (stage) model has.
+    `matched`, if given, receives {pattern: number of modules it matched}."""
     out = {}
     for pattern, role in plan:
         if role not in ROLES:
             raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}")
+        n = 0
         for fqn, mod in model.named_modules():
             if fqn and mod is not None and _matches(pattern, fqn):
+                n += 1
                 style = style_for(role, mod, sp, loss_parallel, float8_tp)
                 if style is not None:
                     out[fqn] = style
+        if matched is not None:
+            matched[pattern] = matched.get(pattern, 0) + n
     return out
 
 
-def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False) -> nn.Module:
-    """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied."""
+def unmatched_patterns(matched: dict, strict: bool) -> list[str]:
+    """Plan patterns that matched no module; with `strict` (a plan written for this model, applied
+    to all of it: a pipeline stage legitimately lacks other stages' modules) the first is an error."""
+    missing = [pat for pat, n in matched.items() if n == 0]
+    if missing and strict:
+        raise ValueError(f"TP plan entry {missing[0]!r} matches no module of the model; fix the pattern "
+                         f"('*' matches one path component) or drop the entry")
+    return missing
+
+
+def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False) -> dict:
+    """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied. Returns
+    {pattern: modules matched}."""
     tied = tied_pairs(model)
-    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel, float8_tp))
+    matched: dict = {}
+    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel, float8_tp, matched))
     # parallelize_module replaces each module's parameter separately; re-tie when both sides
     # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
     for src, dst in tied:
@@ -116,4 +134,4 @@ def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, flo
             raise ValueError(f"tied parameters {src} and {dst} got different TP shardings; untie them or "
                              f"give both the same plan role")
     retie(model, tied)
-    return model
+    return matched
