@@ -74,7 +74,10 @@ def main():
     res = {"rank": r, "out": err(out, out_ref.detach()), "dq": err(qs.grad, ref[0].grad),
            "dk": err(ks.grad, ref[1].grad), "dv": err(vs.grad, ref[2].grad),
            "pairs": C.PairCounter.pairs, "comm": counts}
-    print(json.dumps(res), flush=True)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, res)  # one printer: ranks writing at once would interleave lines
+    if r == 0:
+        print("\n".join(json.dumps(x) for x in every), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
