@@ -21,9 +21,22 @@ def ck_folder(tmp_path, name="run"):
     return tmp_path / name / "checkpoint"
 
 
-def trained_to_8(tmp_path, extra=(), nproc=1):
-    """A run with committed checkpoints at steps 4 and 8; then resumed to 12 by the test."""
-    run_cli(BASE + list(extra), tmp_path, nproc=nproc)
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """One single-process run with committed checkpoints at steps 4 and 8, copied by each test."""
+    d = tmp_path_factory.mktemp("pristine")
+    run_cli(BASE, d)
+    assert sorted(os.listdir(ck_folder(d))) == ["step-00000004", "step-00000008"]
+    return d
+
+
+def trained_to_8(tmp_path, source=None, extra=(), nproc=1):
+    """A run dir with committed checkpoints at steps 4 and 8 (a copy of `source`, or trained now);
+    the test then damages it and resumes to step 12."""
+    if source is not None:
+        shutil.copytree(source / "run", tmp_path / "run")
+    else:
+        run_cli(BASE + list(extra), tmp_path, nproc=nproc)
     assert sorted(os.listdir(ck_folder(tmp_path))) == ["step-00000004", "step-00000008"]
     return ck_folder(tmp_path) / "step-00000008"
 
@@ -47,8 +60,8 @@ def resume_to_12(tmp_path, extra=(), nproc=1, check=True):
     ("truncate", "bytes, "),
     ("metadata", "no .metadata file"),
 ])
-def test_damaged_newest_checkpoint_falls_back_to_previous(damage, words, tmp_path):
-    newest = trained_to_8(tmp_path)
+def test_damaged_newest_checkpoint_falls_back_to_previous(damage, words, tmp_path, pristine):
+    newest = trained_to_8(tmp_path, pristine)
     if damage == "bytes":
         flip_bytes(distcp(newest))
     elif damage == "truncate":
@@ -66,7 +79,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(damage, words, tmp_pat
 
 
 def test_damaged_checkpoint_under_fsdp2_and_stop_mode(tmp_path):
-    newest = trained_to_8(tmp_path, [P + "data_parallel_shard_degree=2", "--training.local_batch_size=2"], nproc=2)
+    newest = trained_to_8(tmp_path, None, [P + "data_parallel_shard_degree=2", "--training.local_batch_size=2"], nproc=2)
     flip_bytes(distcp(newest))
     p = resume_to_12(tmp_path, [P + "data_parallel_shard_degree=2", "--training.local_batch_size=2",
                                 "--checkpoint.on_damaged=stop"], nproc=2, check=False)
@@ -86,9 +99,9 @@ def _rewrite_marker_crc(folder):
     json.dump(meta, open(folder / "torchmeg.json", "w"))
 
 
-def test_nonfinite_weights_in_an_intact_looking_checkpoint(tmp_path):
+def test_nonfinite_weights_in_an_intact_looking_checkpoint(tmp_path, pristine):
     """NaNs that were in memory before the save (CRCs match): caught by the finite check at load."""
-    newest = trained_to_8(tmp_path)
+    newest = trained_to_8(tmp_path, pristine)
     f = distcp(newest)
     raw = bytearray(open(f, "rb").read())
     nan = np.array([np.nan] * 256, dtype=np.float32).tobytes()
@@ -99,16 +112,16 @@ def test_nonfinite_weights_in_an_intact_looking_checkpoint(tmp_path):
     assert "non-finite values in the loaded weights" in p.stdout and "resumed   from step 4" in p.stdout
 
 
-def test_no_intact_checkpoint_left_is_an_error(tmp_path):
-    newest = trained_to_8(tmp_path)
+def test_no_intact_checkpoint_left_is_an_error(tmp_path, pristine):
+    newest = trained_to_8(tmp_path, pristine)
     flip_bytes(distcp(newest))
     flip_bytes(distcp(ck_folder(tmp_path) / "step-00000004"))
     p = resume_to_12(tmp_path, check=False)
     assert p.returncode == 2 and "no intact checkpoint left" in p.stderr and "| loss" not in p.stdout
 
 
-def test_incomplete_step_folder_never_blocks_a_save(tmp_path):
-    newest = trained_to_8(tmp_path)
+def test_incomplete_step_folder_never_blocks_a_save(tmp_path, pristine):
+    newest = trained_to_8(tmp_path, pristine)
     os.remove(newest / "torchmeg.json")  # looks like a save that died before its commit
     p = resume_to_12(tmp_path)
     assert "resumed   from step 4" in p.stdout
@@ -116,8 +129,8 @@ def test_incomplete_step_folder_never_blocks_a_save(tmp_path):
     assert json.load(open(newest / "torchmeg.json"))["step"] == 8
 
 
-def test_resume_applies_changed_optimizer_and_schedule(tmp_path):
-    trained_to_8(tmp_path)
+def test_resume_applies_changed_optimizer_and_schedule(tmp_path, pristine):
+    trained_to_8(tmp_path, pristine)
     shutil.rmtree(ck_folder(tmp_path) / "step-00000008")
     change = ["--optimizer.lr=1e-3", "--lr_scheduler.decay_type=linear"]
     p = resume_to_12(tmp_path, change)
@@ -129,8 +142,8 @@ def test_resume_applies_changed_optimizer_and_schedule(tmp_path):
     assert all(got[s] == want[s] for s in range(5, 13)), (got, want)
 
 
-def test_resume_with_other_batch_is_refused_or_remapped(tmp_path):
-    trained_to_8(tmp_path)
+def test_resume_with_other_batch_is_refused_or_remapped(tmp_path, pristine):
+    trained_to_8(tmp_path, pristine)
     p = resume_to_12(tmp_path, ["--training.global_batch_size=8"], check=False)
     assert p.returncode == 2 and "checkpoint.remap_data_position" in p.stderr and "global batch 4" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
