@@ -416,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
         validate(cfg)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one of them says why
-            print(f"torchmeg: error: {e}", file=sys.stderr)
+            print(f"torchmeg: error: {e}", file=sys.stderr, flush=True)
+        else:
+            # ...and the others leave a moment later: a launcher (torchrun) stops every worker as
+            # soon as one exits, which could kill rank 0 before its line is out (seen 1 in ~200).
+            time.sleep(3)
         return guard.EXIT_CONFIG
     rank = int(os.environ.get("RANK", "0"))
     try:
