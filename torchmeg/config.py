@@ -44,6 +44,10 @@ class Model:
     name: str = _f("llama", help="registry key")
     flavor: str = _f("debug")
     blocks: str = _f("", help="FQN of the ModuleList/ModuleDict/Sequential of repeated blocks; '' = found")
+    hf_config: str = _f("", help="model.name = 'hf': a Hugging Face config.json, or a directory holding one")
+    hf_attn_implementation: str = _f("sdpa", choices=["sdpa", "eager"],
+                                     help="model.name = 'hf': transformers' attention kernel (eager for models "
+                                          "without SDPA support, e.g. Gemma 2's soft-capped attention)")
     # Any field of the flavor's args (dim, n_layers, ...) may be set in [model]; they land here
     # and are checked against the model's own argument dataclass.
     overrides: dict = field(default_factory=dict)
@@ -131,7 +135,7 @@ class Float8:
     recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
     emulate: Union[str, bool] = _f("auto")
     enable_fsdp_float8_all_gather: bool = _f(False)
-    filter_fqns: list = _f(["output"])
+    filter_fqns: list = _f(["output", "lm_head"])
 
 
 @dataclass
@@ -143,6 +147,8 @@ class Checkpoint:
     async_mode: str = _f("disabled", choices=["disabled", "async"])
     load_step: int = _f(-1, lo=-1)
     export_hf: bool = _f(False)
+    initial_load_hf: str = _f("", help="a Hugging Face safetensors directory to start from (model.name = 'hf'), "
+                              "when there is no checkpoint to resume; each rank reads only its shard")
     last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
     export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
     on_damaged: str = _f("fallback", choices=["fallback", "stop"],

@@ -6,8 +6,8 @@ feature lands; the error stays one clear line naming the key.
 from __future__ import annotations
 
 _PENDING = [
-    ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf and c.model.name != "llama",
-     "HF export supports model.name = \"llama\"; set it to false"),
+    ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf and c.model.name not in ("llama", "hf"),
+     "HF export supports model.name = \"llama\" and \"hf\"; set it to false"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""HuggingFace safetensors in/out for `llama`, with transformers' LlamaForCausalLM names.
+"""HuggingFace safetensors in/out: `llama` with transformers' LlamaForCausalLM names, and `hf` models as they are.
 
 RoPE layout: torchmeg (like Meta's checkpoints) rotates interleaved pairs (x0,x1),(x2,x3)...;
 transformers rotates the two halves of each head. The same rotation is expressed by permuting the
@@ -116,11 +116,41 @@ def export_hf(trainer, folder: str) -> None:
     """Gather the full model on rank 0 and write it as an HF LlamaForCausalLM folder."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    if trainer.cfg.model.name != "llama":
-        raise ValueError("checkpoint.export_hf supports model.name = 'llama'")
+    name = trainer.cfg.model.name
+    if name not in ("llama", "hf"):
+        raise ValueError("checkpoint.export_hf supports model.name = 'llama' and 'hf'")
     sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         dtype = getattr(torch, trainer.cfg.checkpoint.export_dtype)
-        save_hf(sd, trainer.args, folder, dtype)
+        (save_hf if name == "llama" else save_hf_native)(sd, trainer.args, folder, dtype)
         print(f"[checkpoint] HF safetensors written to {folder}", flush=True)
     dist.barrier()
+
+
+def save_hf_native(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
+    """A model.name = 'hf' state dict (already in HF names) + its config, as transformers saves them:
+    loads with AutoModelForCausalLM.from_pretrained(folder). A tied LM head is stored once."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()
+           if not (args.tie_embeddings and k == "lm_head.weight")}
+    tmp = os.path.join(folder, "model.safetensors.tmp")
+    save_file(out, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+    config = args.config
+    config.dtype = str(dtype).replace("torch.", "")  # (transformers 5 name; was torch_dtype)
+    config.to_json_file(os.path.join(folder, "config.json"))
+
+
+def load_hf_native(model, folder: str) -> int:
+    """Load an HF safetensors folder into a (parallelized, materialised) model.name = 'hf' model.
+    DCP's HuggingFaceStorageReader plans the reads: each rank reads only the slices of its own
+    shards (FSDP / TP DTensors). Returns the number of tensors loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    sd = get_model_state_dict(model)
+    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
+        sd.pop("lm_head.weight", None)  # stored once, under the embedding's name
+    dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(folder))
+    set_model_state_dict(model, sd)
+    return len(sd)

@@ -95,6 +95,7 @@ class Trainer:
         self.spec = get_spec(cfg.model.name)
         model = build_model(cfg, self.tokenizer.vocab_size, "meta")
         self.args = model.args
+        self.model_class = getattr(model, "hf_class", type(model).__name__)
         self.n_params = count_params(model)
         self.n_params_dense = count_params(model, exclude_embeddings=True)
         self.n_params_active = active_params(model)
@@ -139,6 +140,7 @@ class Trainer:
         from torchmeg.data.sources import cache_dir
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
+        self._dtype = dtype
         # Resume: the newest intact checkpoint (if any) sets the weights, optimizer, schedule and step;
         # the data position follows from the step (sample_offset is non-zero only after a resume
         # that remapped it by tokens, see checkpoint.remap_data_position).
@@ -149,6 +151,9 @@ class Trainer:
             self.watchdog.begin("checkpoint load")
             self.ckpt.load_latest()
             self.watchdog.end()
+        self.init_note = f"from (seed {cfg.job.seed}, parameter name)"
+        if self.step == 0 and cfg.checkpoint.initial_load_hf:
+            self._load_hf_weights(cfg.checkpoint.initial_load_hf)
         self.start_step = self.step
         self.loader = build_loader(self.train_set, t.local_batch_size, dims.dp, self.dp_rank, self.accum,
                                    self.start_step, t.steps, cfg.data.num_workers, self.sample_offset)
@@ -157,6 +162,23 @@ class Trainer:
         # float8 weights all-gathered by FSDP: one fused amax/scale computation per step.
         self.float8_precompute = (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
                                   and cfg.float8.recipe == "tensorwise" and (dims.fsdp > 1 or t.mixed_precision == "bf16"))
+
+    def _load_hf_weights(self, folder: str) -> None:
+        """checkpoint.initial_load_hf: a fresh run starts from Hugging Face safetensors (each rank
+        reads its shards only); the weights must be finite, like a resumed checkpoint's."""
+        from torchmeg.hf import load_hf_native
+        try:
+            n = load_hf_native(self.model, folder)
+        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank errors; one line names the folder
+            msg = str(e).strip().splitlines()
+            raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: cannot load it into "
+                              f"{self.model_class} ({msg[-1] if msg else type(e).__name__})") from None
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        n_bad = torch.tensor([float(sum(int(not torch.isfinite(t).all()) for t in local))])
+        dist.all_reduce(n_bad)  # every rank decides alike, so all stop together
+        if n_bad.item():
+            raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: non-finite values in the weights")
+        self.init_note = f"from Hugging Face weights in {folder} ({n} tensors)"
 
     # ---- one step ---------------------------------------------------------------------------
     def _ctx(self):
@@ -282,7 +304,7 @@ class Trainer:
         backend = dist.get_backend()
         lines = [
             f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
-            f"model      {c.model.name}/{c.model.flavor}: {self.n_params / 1e6:.2f}M params "
+            f"model      {self._model_name()}: {self.n_params / 1e6:.2f}M params "
             f"({self.n_params_dense / 1e6:.2f}M non-embedding"
             + (f", {self.n_params_active / 1e6:.2f}M active per token" if self.n_params_active != self.n_params else "")
             + f"), {a.n_layers} layers, dim {a.dim}, "
@@ -293,6 +315,7 @@ class Trainer:
             f"layout     {d.describe()} | {self.device.type} ({backend}) | {c.training.mixed_precision}"
             + (f" | {self.stage_desc}" if self.schedule is not None else ""),
             f"parallel   {self.parallel_report}",
+            f"init       {self.init_note}",
             f"batch      {c.training.local_batch_size} seq x dp {d.dp} x accum {self.accum} = {self.global_batch} "
             f"seq = {self.global_batch * c.data.seq_len:,} tokens/step, {c.training.steps} steps",
             f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
@@ -302,7 +325,13 @@ class Trainer:
         ]
         print("\n".join(lines), flush=True)
 
+    def _model_name(self) -> str:
+        if self.spec.make_args is not None:  # e.g. hf/llama (LlamaForCausalLM from recipes/hf/x.json)
+            return f"{self.cfg.model.name}/{self.args.model_type} ({self.model_class} from {self.cfg.model.hf_config})"
+        return f"{self.cfg.model.name}/{self.cfg.model.flavor}"
+
     def run(self) -> int:
+        from torchmeg.data.sources import cache_dir
         from torchmeg.metrics import format_line, peak_memory_gib
         from torchmeg.profiling import StepProfiler
         cfg = self.cfg
@@ -337,6 +366,9 @@ class Trainer:
             if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped:
                 tps = tokens_per_step * window_steps / window_t / self.world
                 tflops = self.flops_per_token * tps / 1e12
+                if tflops * 1e12 > self.peak and self.device.type == "cpu" and self.rank == 0 and step > 1:
+                    from torchmeg.metrics import repair_peak
+                    self.peak = repair_peak(tflops * 1e12, self._dtype, cache_dir(self.cfg))
                 row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr,
                        "tokens_per_sec": tps, "tflops": tflops, "mfu": tflops * 1e12 / self.peak,
                        "memory_gib": peak_memory_gib(self.device), "elapsed_ms": 1000 * window_t / window_steps}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +34,10 @@ class ModelSpec:
     pp_first: tuple[str, ...] = ("tok_embeddings",)
     pp_last: tuple[str, ...] = ("norm", "output")
     layers_attr: str = "layers"
+    # Models whose shape comes from elsewhere than a flavor table (a Hugging Face config.json):
+    # (cfg, tokenizer vocab or None) -> args. Their `tp_plan` may be a callable(model) -> plan.
+    make_args: Callable | None = None
+    pipeline: bool = True  # whether the pipeline split applies to this model's module tree
 
 
 # Shared shape of the decoder plans: vocab-sharded embedding, column-parallel q/k/v and up
@@ -118,6 +123,24 @@ register(ModelSpec("moe", MoETransformer, MoEArgs, MOE_FLAVORS,
                    tp_plan=[("tok_embeddings", "embedding")] + _DECODER_TP + [("layers.*.moe", "sp_replicated")]))
 
 
+def _hf_args(cfg, tokenizer_vocab):
+    from torchmeg.models.hf_causal import args_from_config, load_config
+    args = args_from_config(load_config(cfg.model.hf_config, cfg.model.overrides, tokenizer_vocab))
+    args.attn_implementation = cfg.model.hf_attn_implementation
+    return args
+
+
+def _hf_model(args):
+    from torchmeg.models.hf_causal import HFCausalLM
+    return HFCausalLM(args)
+
+
+# Any transformers causal LM from its config.json (torchmeg.models.hf_causal); the TP plan is the
+# model's own base_model_tp_plan, translated when the model is parallelized.
+register(ModelSpec("hf", _hf_model, object, {}, tp_plan=lambda model: model.tp_plan(), make_args=_hf_args,
+                   pipeline=False))
+
+
 def get_spec(name: str) -> ModelSpec:
     if name not in REGISTRY:
         from torchmeg.config import ConfigError
@@ -136,6 +159,8 @@ def model_args(cfg, tokenizer_vocab: int | None = None):
     """The flavor's args with [model] overrides applied and checked; vocab from the tokenizer if -1."""
     from torchmeg.config import ConfigError, coerce
     spec = get_spec(cfg.model.name)
+    if spec.make_args is not None:
+        return spec.make_args(cfg, tokenizer_vocab)
     if cfg.model.flavor not in spec.flavors:
         raise ConfigError(f"model.flavor = {cfg.model.flavor!r}: unknown flavor of {spec.name}; "
                           f"allowed: {', '.join(spec.flavors)}")
@@ -162,10 +187,27 @@ def check_model_config(cfg):
     from torchmeg.data.tokenizer import build_tokenizer
     tok = build_tokenizer(cfg.data.tokenizer)
     args = model_args(cfg, tok.vocab_size)
+    spec = get_spec(cfg.model.name)
+    p = cfg.parallelism
+    if not spec.pipeline and p.pipeline_parallel_degree > 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}: model.name = "
+                          f"{spec.name!r} cannot be split into pipeline stages (its base model runs embedding, "
+                          f"layers and norm in one forward); use TP / FSDP / HSDP instead")
+    if spec.make_args is not None and p.context_parallel_degree > 1:
+        raise ConfigError(f"parallelism.context_parallel_degree = {p.context_parallel_degree}: context parallel "
+                          f"swaps torchmeg's own attention module; model.name = {spec.name!r} has none")
+    if cfg.checkpoint.initial_load_hf:
+        if spec.make_args is None:
+            raise ConfigError(f"checkpoint.initial_load_hf: for model.name = 'hf'; convert weights for "
+                              f"{spec.name!r} with tools/convert_hf.py")
+        if not os.path.isdir(cfg.checkpoint.initial_load_hf) or not any(
+                f.endswith(".safetensors") for f in os.listdir(cfg.checkpoint.initial_load_hf)):
+            raise ConfigError(f"checkpoint.initial_load_hf = {cfg.checkpoint.initial_load_hf!r}: not a directory "
+                              f"holding .safetensors files")
     for key in ("dim", "n_layers", "n_heads"):
         if getattr(args, key) < 1:
             raise ConfigError(f"model.{key} = {getattr(args, key)}: must be >= 1")
-    if args.dim % args.n_heads:
+    if spec.make_args is None and args.dim % args.n_heads:
         raise ConfigError(f"model.dim = {args.dim}: not divisible by model.n_heads = {args.n_heads}")
     if args.n_heads % args.kv_heads:
         raise ConfigError(f"model.n_kv_heads = {args.kv_heads}: must divide model.n_heads = {args.n_heads}")
@@ -181,8 +223,14 @@ def check_model_config(cfg):
 
 def build_model(cfg, tokenizer_vocab: int, device: str | torch.device = "meta") -> nn.Module:
     spec = get_spec(cfg.model.name)
+    args = model_args(cfg, tokenizer_vocab)
     with torch.device(device):
-        return spec.cls(model_args(cfg, tokenizer_vocab))
+        return spec.cls(args)
+
+
+def spec_tp_plan(spec: ModelSpec, model: nn.Module) -> list[tuple[str, str]]:
+    """The registry's TP plan for this model (a list, or computed from the model itself)."""
+    return spec.tp_plan(model) if callable(spec.tp_plan) else spec.tp_plan
 
 
 def param_seed(seed: int, fqn: str) -> int:

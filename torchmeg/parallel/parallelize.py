@@ -49,10 +49,17 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         # model (e.g. MoE with and without dense layers), so an entry may legitimately match none.
         strict = tp_plan is not None and dims.pp == 1
         if tp_plan is None:
-            from torchmeg.models import get_spec
-            tp_plan = get_spec(cfg.model.name).tp_plan
+            from torchmeg.models import get_spec, spec_tp_plan
+            spec = get_spec(cfg.model.name)
+            tp_plan = spec_tp_plan(spec, model)
+            strict = callable(spec.tp_plan) and dims.pp == 1  # derived from this very model: all must match
         # Under PP the last stage's logits feed the schedule's loss: keep them gathered.
-        matched = apply_tp(model, mesh["tp"], tp_plan, p.sequence_parallel, p.loss_parallel and dims.pp == 1, float8_tp)
+        # A model may decline SP (e.g. a Hugging Face model with eager attention builds its mask
+        # from the local sequence length): it then runs plain TP, and the report says so.
+        sp = p.sequence_parallel and getattr(model, "supports_sequence_parallel", True)
+        if p.sequence_parallel and not sp:
+            report["sp_off"] = getattr(model, "sequence_parallel_note", "not supported by the model")
+        matched = apply_tp(model, mesh["tp"], tp_plan, sp, p.loss_parallel and dims.pp == 1, float8_tp)
         unmatched_patterns(matched, strict)
         report["tp_plan"] = matched
         if p.enable_async_tensor_parallel:
@@ -89,7 +96,8 @@ def describe_report(report: dict) -> str:
     parts = [f"blocks {report['n_blocks']} at {report['blocks']!r}" if report.get("blocks") else "no blocks found"]
     if "tp_plan" in report:
         tp = report["tp_plan"]
-        parts.append(f"TP {len(tp)} plan entries -> {sum(tp.values())} modules")
+        parts.append(f"TP {len(tp)} plan entries -> {sum(tp.values())} modules"
+                     + (f" (sequence parallel off: {report['sp_off']})" if "sp_off" in report else ""))
     if "cp_attention" in report:
         parts.append(f"CP {report['cp_attention']} attention modules")
     if "float8_linears" in report:

@@ -6,12 +6,18 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
                        added after it)
   sp_enter             a module whose replicated input should become sequence-sharded (SP only)
   sp_norm              a norm run on sequence shards (SP only; Korthikanti et al. 2022, sec. 4.2.2)
+  sp_norm_local        sp_norm with a plain local output shard (models that add norm outputs to the
+                       residual stream, e.g. Gemma's post-norms)
   sp_input             a module (attention, MLP) whose first input is sequence-sharded and must be
                        all-gathered before its column-parallel projections (SP only)
   sp_replicated        a module computed whole on every TP rank: input gathered, output re-sharded
                        (SP only; MoE experts, which EP parallelises instead)
   colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
   output               column-parallel LM head: vocab-sharded logits for loss_parallel, else gathered
+  replicate_grad_allreduce
+                       a module with replicated weights applied to head-sharded activations (Qwen3's
+                       per-head q/k norms after column-parallel projections): each TP rank's weight
+                       gradient covers its heads only, so gradients are summed over the TP group
 """
 from __future__ import annotations
 
@@ -19,19 +25,69 @@ import inspect
 
 from torch import nn
 
-from torchmeg.models import get_param_owner, retie, tied_pairs
-from torch.distributed.tensor import Replicate, Shard
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
-ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_input", "sp_replicated", "colwise", "rowwise",
-         "output")
+from torchmeg.models import get_param_owner, retie, tied_pairs
+
+ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_replicated", "colwise", "rowwise",
+         "output", "replicate_grad_allreduce")
 
 
 def _n_positional(module: nn.Module) -> int:
     sig = inspect.signature(module.forward)
     return sum(1 for p in sig.parameters.values()
                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
+
+
+def _takes_kwargs(module: nn.Module) -> bool:
+    return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values())
+
+
+class _GatherFirstInput(ParallelStyle):
+    """sp_input for modules that may receive their input by keyword (Hugging Face decoder layers call
+    `self.self_attn(hidden_states=...)`), which PrepareModuleInput's positional layouts cannot see:
+    the first input, positional or by its name, goes from sequence shards to replicated."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        first = next(iter(inspect.signature(module.forward).parameters))
+
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return x.redistribute(device_mesh, (Replicate(),))
+
+        def pre_hook(mod, args, kwargs):
+            if args:
+                args = (gather(args[0]),) + tuple(args[1:])
+            elif first in kwargs:
+                kwargs = dict(kwargs, **{first: gather(kwargs[first])})
+            return args, kwargs
+
+        module.register_forward_pre_hook(pre_hook, with_kwargs=True)
+        return module
+
+
+class _ReplicateGradAllReduce(ParallelStyle):
+    """Weights replicated over TP as DTensors; the (head-sharded, plain) input enters as a DTensor
+    sharded on its leading dim, so autograd sees each rank's weight gradient as a partial sum and
+    reduces it over the group. The module must be elementwise over its input's leading dims (a norm
+    over the last dim is); the output leaves as the plain local tensor it came in as."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        def input_fn(mod, inputs, mesh):
+            return tuple(DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
+                         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+        def output_fn(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
 
 
 def _float8_styles():
@@ -57,6 +113,10 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return Col()
     if role == "rowwise":
         return Row(output_layouts=seq)
+    if role == "replicate_grad_allreduce":
+        return _ReplicateGradAllReduce()
+    if role == "sp_input" and sp and not f8 and _takes_kwargs(module):
+        return _GatherFirstInput()
     if role == "sp_input" and sp:
         rest = (None,) * (_n_positional(module) - 1)
         return Prep(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
@@ -77,6 +137,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
                                         desired_output_layouts=(Shard(1),), use_local_output=True)
     if role == "sp_norm":
         return SequenceParallel()
+    if role == "sp_norm_local":
+        return SequenceParallel(use_local_output=True)
     if role == "sp_enter":
         rest = (None,) * (_n_positional(module) - 1)
         # Local output: the block's residual stream must be a plain shard like its sublayers' outputs.
