@@ -70,7 +70,7 @@ def test_recompute_gradients_equal_none(mode, option):
 def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
     """Emulated float8 (torchao, tensorwise) on the debug recipe for 50 steps: the held-out loss at
     step 50 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's."""
-    args = ["--config", "recipes/debug_llama.toml", "--training.steps=50", "--validation.freq=50", "--data.seq_len=128",
+    args = ["--config", "recipes/debug_llama.toml", "--training.steps=50", "--validation.freq=50",
             "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10"]
     run_cli(args, tmp_path, name="fp32", timeout=300)
     run_cli(args + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300)
