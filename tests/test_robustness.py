@@ -69,12 +69,16 @@ def test_profiling_writes_a_trace_per_rank(tmp_path):
                         "--profiling.active_steps=1", P + "data_parallel_shard_degree=2",
                         "--training.local_batch_size=2"], tmp_path, nproc=2)
     folder = tmp_path / "run" / "profile" / "step-000004"
-    assert "[profile] step 4: trace, memory timeline per rank in" in p.stdout, p.stdout[-2000:]
+    assert "[profile] step 4: trace, memory per operator" in p.stdout, p.stdout[-2000:]
     for r in (0, 1):
         trace = json.load(open(folder / f"rank{r}.trace.json"))
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"aten::mm", "aten::addmm"} & names, sorted(n for n in names if n and "aten" in n)[:20]
-        assert os.path.getsize(folder / f"rank{r}.memory_timeline.html") > 1000
+        assert "aten::mm" in open(folder / f"rank{r}.memory_ops.txt").read()
+        # torch's timeline exporter sometimes asserts (pytorch/pytorch#167838): then the rank says so
+        timeline = folder / f"rank{r}.memory_timeline.html"
+        assert (os.path.exists(timeline) and os.path.getsize(timeline) > 1000) or \
+            f"[profile] rank {r} step 4: no memory timeline" in p.stdout, p.stdout[-2000:]
 
 
 def test_consecutive_skips_stop_the_run(tmp_path):

@@ -7,9 +7,14 @@ window every rank writes
   <run_dir>/profile/step-NNNNNN/rank{R}.trace.json     chrome trace (chrome://tracing, Perfetto)
   <run_dir>/profile/step-NNNNNN/rank{R}.memory_snapshot.pickle   CUDA: allocator history
                                                         (drag onto pytorch.org/memory_viz)
+  <run_dir>/profile/step-NNNNNN/rank{R}.memory_ops.txt  CPU: memory allocated per operator
+                                                        (the profiler's table; always written)
   <run_dir>/profile/step-NNNNNN/rank{R}.memory_timeline.html     CPU: the profiler's memory
-                                                        timeline by category (params, grads, ...)
-and rank 0 says where in the log.
+                                                        timeline by category (params, grads, ...),
+                                                        when torch's exporter succeeds: it sometimes
+                                                        asserts (pytorch/pytorch#167838; seen here
+                                                        on one rank in ~10 runs)
+and rank 0 says where in the log; a rank whose timeline failed says so itself.
 """
 from __future__ import annotations
 
@@ -56,13 +61,17 @@ class StepProfiler:
                     torch.cuda.memory._dump_snapshot(base + ".memory_snapshot.pickle")
                     written.append("memory snapshot")
                 else:
+                    with open(base + ".memory_ops.txt", "w") as fh:
+                        fh.write(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40))
+                    written.append("memory per operator")
                     import warnings
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # deprecated in favour of a CUDA-only API
                         prof.export_memory_timeline(base + ".memory_timeline.html", device="cpu")
                     written.append("memory timeline")
             except Exception as e:  # noqa: BLE001 - a missing picture must not end a training run
-                written.append(f"no memory view ({type(e).__name__}: {e})")
+                print(f"[profile] rank {self.rank} step {self._step}: no memory timeline "
+                      f"({type(e).__name__}: {str(e)[:200]})", flush=True)
         if self.rank == 0:
             print(f"[profile] step {self._step}: {', '.join(written)} per rank in {folder}", flush=True)
 
