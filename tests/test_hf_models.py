@@ -8,75 +8,55 @@ import os
 import pytest
 import torch
 
-from conftest import assert_parity, read_metrics, run_cli
+from conftest import read_metrics, run_cli
 
 # Three families with different module trees and TP plans: Llama, Qwen3 (per-head q/k norms whose
-# weights need a TP gradient all-reduce), Mistral (sliding-window attention config). Tiny, built
-# offline from transformers' config classes.
+# weights need a TP gradient all-reduce), Mistral (sliding-window attention config); tiny configs
+# built offline. tests/hf_parity_worker.py trains each through torchmeg.parallelize() next to the
+# whole model on one process (the CLI path with the recipe's defaults is the end-to-end test below).
+FAMILIES = ["llama", "qwen3", "mistral"]
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-FAMILIES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}
-
-# The shipped recipe with its defaults (validation, checkpoints, HF export all on), made small.
-RUN = ["--config", "recipes/hf_llama_debug.toml", "--data.seq_len=32", "--training.global_batch_size=8",
-       "--training.steps=3", "--lr_scheduler.warmup_steps=2", "--metrics.log_freq=1", "--validation.steps=2",
-       "--metrics.enable_tensorboard=false"]
-LAYOUTS = {  # name: (ranks, extra)
-    "tp2": (2, ["--training.local_batch_size=8", "--parallelism.tensor_parallel_degree=2",
-                "--parallelism.data_parallel_shard_degree=1"]),
-    "fsdp2": (2, ["--training.local_batch_size=4"]),
-    "tp2_fsdp2": (4, ["--training.local_batch_size=4", "--parallelism.tensor_parallel_degree=2"]),
-    "fsdp2_compile_recompute": (2, ["--training.local_batch_size=4", "--compile.enable=true",
-                                    "--activation_checkpoint.mode=full"]),
-}
 
 
-@pytest.fixture(scope="module")
-def hf_configs(tmp_path_factory):
-    import transformers
-    d = tmp_path_factory.mktemp("hf_configs")
-    out = {}
-    for fam, cls in FAMILIES.items():
-        path = d / f"{fam}.json"
-        getattr(transformers, cls)(**TINY).to_json_file(str(path))
-        out[fam] = str(path)
-    return out
+def _worker(nproc: int, families: list[str], layouts: list[str]) -> dict:
+    import sys
+    from conftest import ROOT, _launch_ranks
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "hf_parity_worker.py"), "--families", ",".join(families),
+           "--layouts", ",".join(layouts)]
+    p = _launch_ranks(cmd, nproc, dict(os.environ, PYTHONPATH=ROOT, TORCHMEG_PG_TIMEOUT="60"), timeout=240)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(families) * len(layouts), p.stdout[-2000:]
+    return {(r["family"], r["layout"]): r for r in rows}
 
 
-_refs: dict = {}
+def _check(r: dict) -> None:
+    # fp32, same weights from (seed, FQN), same global batches: 1e-5 on the loss, 1e-5 relative on
+    # the grad norm, every step.
+    assert r["loss_diff"] < 1e-5 and r["grad_norm_rel_diff"] < 1e-5, r
+    assert r["blocks"] == "model.layers", r
+    if "fsdp2" in r["layout"]:
+        assert r["fsdp_units"] == r["layers"] + 1, r  # one per decoder layer + the root
+    if "compile" in r["layout"]:
+        assert r["compiled_blocks"] == r["layers"] == r["recompute_blocks"], r
+    if "tp2" in r["layout"]:
+        # the model's own plan + embedding + LM head + SP: 2 block norms, attention and MLP inputs, final norm
+        assert r["tp_entries"] == r["hf_plan_entries"] + 2 + 5, r
 
 
-def _reference(fam, hf_configs, tmp_path_factory):
-    if fam not in _refs:
-        d = tmp_path_factory.mktemp(f"ref_{fam}")
-        run_cli(RUN + [f"--model.hf_config={hf_configs[fam]}", "--training.local_batch_size=8"], d)
-        _refs[fam] = read_metrics(d)
-    return _refs[fam]
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_hf_tp2_fsdp2_compile_recompute_match_one_process(fam):
+    """TP2, FSDP2 and FSDP2 + compile + full recompute, each vs the whole model on one process."""
+    rows = _worker(2, [fam], ["tp2", "fsdp2", "fsdp2_compile_recompute"])
+    for r in rows.values():
+        _check(r)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("fam", list(FAMILIES))
-def test_hf_layout_matches_one_process(fam, layout, hf_configs, tmp_path, tmp_path_factory):
-    ref = _reference(fam, hf_configs, tmp_path_factory)
-    n, extra = LAYOUTS[layout]
-    p = run_cli(RUN + [f"--model.hf_config={hf_configs[fam]}"] + extra, tmp_path, nproc=n, timeout=240)
-    got = read_metrics(tmp_path)
-    assert_parity(ref, got, tol=1e-5)
-    assert len(ref) == 3 and "val_loss" in ref[-1]
-    line = next(l for l in p.stdout.splitlines() if l.startswith("parallel"))
-    assert "blocks 2 at 'model.layers'" in line, line
-    if "fsdp2" in layout:
-        assert "FSDP 3 units" in line, line  # one per decoder layer + the root
-    if "compile" in layout:
-        assert "compiled 2 blocks" in line and "recompute 2 blocks" in line, line
-    if "tp2" in layout:
-        plan = json.loads(json.dumps(getattr(transformers_config(hf_configs[fam]), "base_model_tp_plan")))
-        assert f"TP {len(plan) + 2 + 5}" in line, line  # HF plan + embedding/LM head + SP norms/inputs
-
-
-def transformers_config(path):
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path)
+def test_hf_tp2_x_fsdp2_matches_one_process():
+    rows = _worker(4, FAMILIES, ["tp2_fsdp2"])
+    for r in rows.values():
+        _check(r)
 
 
 def _batch(cfg_args, split, indices):
@@ -142,17 +122,22 @@ def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
 
 
 def test_hf_errors_are_one_line(tmp_path):
-    base = ["--config", "recipes/hf_llama_debug.toml", "--training.steps=1"]
-    for extra, needle in [
-        (["--model.hf_config=nope/config.json"], "model.hf_config = 'nope/config.json': no such file"),
-        (["--model.num_hiden_layers=2"], "did you mean 'num_hidden_layers'?"),
-        (["--parallelism.pipeline_parallel_degree=2"], "cannot be split into pipeline stages"),
-        (["--checkpoint.initial_load_hf=" + str(tmp_path)], "not a directory holding .safetensors files"),
+    from torchmeg.config import ConfigError, load_config, validate
+    base = ["--training.steps=1"]
+    p = run_cli(["--config", "recipes/hf_llama_debug.toml", "--model.hf_config=nope/config.json"] + base, tmp_path,
+                check=False)
+    err = [l for l in p.stderr.splitlines() if l.startswith("torchmeg: error")]
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-2000:]
+    assert "model.hf_config = 'nope/config.json': no such file" in err[0]
+    for extra, world, needle in [
+        (["--model.num_hiden_layers=2"], 1, "did you mean 'num_hidden_layers'?"),
+        (["--parallelism.pipeline_parallel_degree=2"], 2, "cannot be split into pipeline stages"),
+        (["--parallelism.context_parallel_degree=2"], 2, "has none"),
+        (["--checkpoint.initial_load_hf=" + str(tmp_path)], 1, "not a directory holding .safetensors files"),
     ]:
-        p = run_cli(base + extra, tmp_path, check=False, env={"WORLD_SIZE": "2"} if "pipeline" in extra[0] else None)
-        assert p.returncode == 2, p.stderr[-2000:]
-        err = [l for l in p.stderr.splitlines() if l.startswith("torchmeg: error")]
-        assert len(err) == 1 and needle in err[0], p.stderr[-2000:]
+        with pytest.raises(ConfigError) as e:
+            validate(load_config("recipes/hf_llama_debug.toml", base + extra), world_size=world)
+        assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
 def test_hf_tp_plan_translation_and_refusals():
