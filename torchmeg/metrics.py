@@ -71,7 +71,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str) -> tupl
     except (OSError, ValueError):
         table = {}
     if key not in table:
-        table[key] = measure_matmul_flops(dtype, "cpu")
+        # bf16 matmuls on a CPU without bf16 units run ~100x slower than fp32: a smaller probe
+        # keeps the first bf16 run from spending ~10 s per rank here.
+        table[key] = measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512)
         _write_table(path, table)
     dt = str(dtype).replace("torch.", "")
     return table[key], f"measured {dt} matmul probe, {threads} thread{'s' * (threads > 1)}, cached in {path}"
@@ -90,7 +92,7 @@ def repair_peak(achieved: float, dtype: torch.dtype, cache_dir: str) -> float:
     threads = torch.get_num_threads()
     key = f"{_cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
     path = os.path.join(cache_dir, "peak_flops.json")
-    peak = max(achieved, measure_matmul_flops(dtype, "cpu"))
+    peak = max(achieved, measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512))
     try:
         with open(path) as fh:
             table = json.load(fh)

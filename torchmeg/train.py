@@ -140,7 +140,7 @@ class Trainer:
         from torchmeg.data.sources import cache_dir
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
-        self._dtype = dtype
+        self._dtype, self._peak_repaired = dtype, False
         # Resume: the newest intact checkpoint (if any) sets the weights, optimizer, schedule and step;
         # the data position follows from the step (sample_offset is non-zero only after a resume
         # that remapped it by tokens, see checkpoint.remap_data_position).
@@ -366,9 +366,11 @@ class Trainer:
             if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped:
                 tps = tokens_per_step * window_steps / window_t / self.world
                 tflops = self.flops_per_token * tps / 1e12
-                if tflops * 1e12 > self.peak and self.device.type == "cpu" and self.rank == 0 and step > 1:
+                if (tflops * 1e12 > self.peak and self.device.type == "cpu" and self.rank == 0 and step > 1
+                        and not self._peak_repaired):  # once per run: a probe costs seconds (bf16 on CPU)
                     from torchmeg.metrics import repair_peak
                     self.peak = repair_peak(tflops * 1e12, self._dtype, cache_dir(self.cfg))
+                    self._peak_repaired = True
                 row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr,
                        "tokens_per_sec": tps, "tflops": tflops, "mfu": tflops * 1e12 / self.peak,
                        "memory_gib": peak_memory_gib(self.device), "elapsed_ms": 1000 * window_t / window_steps}
