@@ -19,6 +19,7 @@ and rank 0 says where in the log; a rank whose timeline failed says so itself.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -71,7 +72,7 @@ class StepProfiler:
                     written.append("memory timeline")
             except Exception as e:  # noqa: BLE001 - a missing picture must not end a training run
                 print(f"[profile] rank {self.rank} step {self._step}: no memory timeline "
-                      f"({type(e).__name__}: {str(e)[:200]})", flush=True)
+                      f"({type(e).__name__}: {str(e)[:200]})", file=sys.stderr, flush=True)
         if self.rank == 0:
             print(f"[profile] step {self._step}: {', '.join(written)} per rank in {folder}", flush=True)
 
