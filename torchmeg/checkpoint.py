@@ -118,7 +118,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def _all_finite(tensors) -> bool:
+def all_finite(tensors) -> bool:
     ok = torch.ones((), dtype=torch.float32)
     for t in tensors:
         t = t.to_local() if hasattr(t, "to_local") else t
@@ -173,7 +173,7 @@ class TrainState(Stateful):
 
 
 def _is_finite_state(model) -> bool:
-    return _all_finite(model.parameters())
+    return all_finite(model.parameters())
 
 
 def _optimizer_tensors(optimizer):
@@ -264,7 +264,7 @@ class CheckpointManager:
         problem = _agree(problem)
         if problem:
             return problem
-        if not _all_finite(list(self.t.model.parameters()) + list(_optimizer_tensors(self.t.optimizer))):
+        if not all_finite(list(self.t.model.parameters()) + list(_optimizer_tensors(self.t.optimizer))):
             return "non-finite values in the loaded weights or optimizer state"
         if meta.get("model_only"):
             self.t.step = step

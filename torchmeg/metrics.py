@@ -63,20 +63,31 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str) -> tupl
         peak = measure_matmul_flops(dtype, "cuda", n=8192, seconds=1.0)
         return peak, f"{name} measured matmul probe"
     threads = torch.get_num_threads()
-    key = f"{_cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
-    path = os.path.join(cache_dir, "peak_flops.json")
-    try:
-        with open(path) as fh:
-            table = json.load(fh)
-    except (OSError, ValueError):
-        table = {}
+    key, path = _cache_key(dtype), os.path.join(cache_dir, "peak_flops.json")
+    table = _read_table(path)
     if key not in table:
-        # bf16 matmuls on a CPU without bf16 units run ~100x slower than fp32: a smaller probe
-        # keeps the first bf16 run from spending ~10 s per rank here.
-        table[key] = measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512)
+        table[key] = _probe(dtype)
         _write_table(path, table)
     dt = str(dtype).replace("torch.", "")
     return table[key], f"measured {dt} matmul probe, {threads} thread{'s' * (threads > 1)}, cached in {path}"
+
+
+def _cache_key(dtype: torch.dtype) -> str:
+    return f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+
+
+def _probe(dtype: torch.dtype) -> float:
+    # bf16 matmuls on a CPU without bf16 units run ~100x slower than fp32: a smaller probe
+    # keeps the first bf16 run from spending ~10 s per rank here.
+    return measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512)
+
+
+def _read_table(path: str) -> dict:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
 
 
 def _write_table(path: str, table: dict) -> None:
@@ -89,15 +100,9 @@ def _write_table(path: str, table: dict) -> None:
 def repair_peak(achieved: float, dtype: torch.dtype, cache_dir: str) -> float:
     """A run beat the cached CPU peak: the probe was taken on a busy machine. Probe again and keep
     the larger of that and what the run achieved, so MFU never reads above 100% for long."""
-    threads = torch.get_num_threads()
-    key = f"{_cpu_name()}|threads={threads}|{dtype}|torch={torch.__version__}"
-    path = os.path.join(cache_dir, "peak_flops.json")
-    peak = max(achieved, measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512))
-    try:
-        with open(path) as fh:
-            table = json.load(fh)
-    except (OSError, ValueError):
-        table = {}
+    key, path = _cache_key(dtype), os.path.join(cache_dir, "peak_flops.json")
+    peak = max(achieved, _probe(dtype))
+    table = _read_table(path)
     table[key] = max(peak, table.get(key, 0.0))
     _write_table(path, table)
     return table[key]

@@ -173,10 +173,8 @@ class Trainer:
             msg = str(e).strip().splitlines()
             raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: cannot load it into "
                               f"{self.model_class} ({msg[-1] if msg else type(e).__name__})") from None
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        n_bad = torch.tensor([float(sum(int(not torch.isfinite(t).all()) for t in local))])
-        dist.all_reduce(n_bad)  # every rank decides alike, so all stop together
-        if n_bad.item():
+        from torchmeg.checkpoint import all_finite
+        if not all_finite(self.model.parameters()):  # all-reduced: every rank stops alike
             raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: non-finite values in the weights")
         self.init_note = f"from Hugging Face weights in {folder} ({n} tensors)"
 
