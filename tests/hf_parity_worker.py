@@ -76,7 +76,7 @@ def main():
     from torchmeg.models.hf_causal import HFCausalLM, args_from_config
     from torchmeg.parallel import ParallelDims
     from torchmeg.parallel.parallelize import parallelize
-    from torchmeg.train import _local_shard
+    from torchmeg.parallel.shards import local_block
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     for fam in a.families.split(","):
@@ -98,7 +98,7 @@ def main():
             with torch.device("meta"):
                 model = HFCausalLM(args)
             parallelize(model, dims, cfg, mesh=mesh)
-            materialize(model, "cpu", seed=0, shard=_local_shard)
+            materialize(model, "cpu", seed=0, block=local_block)
             got = _train(model, dims.dp, mesh["dp"].get_local_rank(), mesh["dp_cp"].get_group())
             if dist.get_rank() == 0:
                 rep = model.torchmeg_report

@@ -19,92 +19,10 @@ import argparse
 import os
 import sys
 
-DUR = {"F": 1, "B": 2, "I": 1, "W": 1}
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions  # noqa: E402
+
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#C44E52", "W": "#55A868"}
-
-
-def one_f_one_b(pp: int, m: int):
-    """Schedule1F1B's order as its _step_microbatches runs it: rank r does p-1-r warm-up forwards,
-    then alternates one forward / one backward, then drains the backwards. (torch 2.13's
-    `pipeline_order` for 1F1B, used only for visualisation, is shifted by one microbatch on the
-    last rank — F1..F8 for m = 8 — so it is not used here.)"""
-    out = []
-    for r in range(pp):
-        warm = min(pp - 1 - r, m)
-        row = [("F", r, i) for i in range(warm)]
-        f, b = warm, 0
-        while b < m:
-            if f < m:
-                row.append(("F", r, f))
-                f += 1
-            row.append(("B", r, b))
-            b += 1
-        out.append(row)
-    return out
-
-
-def torch_actions(schedule: str, pp: int, m: int, v: int | None):
-    if schedule == "1F1B":
-        return one_f_one_b(pp, m)
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    ops = get_schedule_ops(schedule, pp, m, num_stages_per_rank=v)
-    names = {"FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FORWARD": "F"}
-    out = []
-    for rank_ops in ops:
-        row = []
-        for a in rank_ops:
-            if a is None:
-                continue
-            # DualPipeV pairs a forward of one stage with a backward of another (OVERLAP_F_B);
-            # on one device they still take the sum of their times, so play them in order.
-            for sub in (a.sub_actions or ()) if a.computation_type.name == "OVERLAP_F_B" else (a,):
-                kind = names.get(sub.computation_type.name)
-                if kind:
-                    row.append((kind, sub.stage_index, sub.microbatch_index))
-        out.append(row)
-    return out
-
-
-def simulate(actions):
-    """-> per rank list of (start, end, kind, stage, mb); raises if the order deadlocks."""
-    n_stages = 1 + max(s for row in actions for _, s, _ in row)
-    done: dict = {}
-    free = [0] * len(actions)
-    pos = [0] * len(actions)
-    timeline = [[] for _ in actions]
-    remaining = sum(len(r) for r in actions)
-    while remaining:
-        progressed = False
-        for r, row in enumerate(actions):
-            if pos[r] >= len(row):
-                continue
-            kind, s, i = row[pos[r]]
-            if kind == "F":
-                deps = [("F", s - 1, i)] if s > 0 else []
-            elif kind in ("B", "I"):
-                deps = [("F", s, i)] + ([("bwd", s + 1, i)] if s < n_stages - 1 else [])
-            else:
-                deps = [("bwd", s, i)]
-            if all(d in done for d in deps):
-                start = max([free[r]] + [done[d] for d in deps])
-                end = start + DUR[kind]
-                timeline[r].append((start, end, kind, s, i))
-                done[(kind, s, i)] = end
-                if kind in ("B", "I"):
-                    done[("bwd", s, i)] = end
-                free[r] = end
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("schedule deadlocks under the dependency model")
-    return timeline
-
-
-def bubble(timeline) -> float:
-    end = max(e for row in timeline for _, e, *_ in row)
-    busy = [sum(e - s for s, e, *_ in row) for row in timeline]
-    return sum(end - b for b in busy) / sum(busy)
 
 
 def draw(timeline, title: str, path: str) -> None:

@@ -181,6 +181,13 @@ class Profiling:
 
 
 @dataclass
+class Plan:
+    world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
+                                        "degrees, which then must not use data_parallel_shard_degree = -1")
+    gpu: str = _f("h100", choices=["h100", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -196,6 +203,7 @@ class Config:
     validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
+    plan: Plan = field(default_factory=Plan)
 
     # Where the recipe came from (for relative paths and messages); not a recipe key.
     source: str = field(default="<defaults>", repr=False)
@@ -406,17 +414,19 @@ def _check_data(cfg: Config) -> None:
     check_data_config(cfg)
 
 
-def validate(cfg: Config, world_size: int | None = None) -> "Config":
+def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> "Config":
     """Check everything that can be checked before a process group exists.
 
-    world_size defaults to $WORLD_SIZE (set by torchrun) or 1.
+    world_size defaults to $WORLD_SIZE (set by torchrun) or 1. data=False (the planner) checks
+    the model, layout and batch only: no tokenizer file, data set or checkpoint folder is needed
+    (the vocabulary then comes from the flavor or model.vocab_size).
     """
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_field_ranges(cfg)
     _check_special(cfg)
     from torchmeg.models import check_model_config
-    args = check_model_config(cfg)
+    args = check_model_config(cfg, tokenizer=data)
     from torchmeg.parallel.dims import ParallelDims
     dims = ParallelDims.from_config(cfg, world_size)
     dims.check_model(args, cfg)
@@ -426,6 +436,8 @@ def validate(cfg: Config, world_size: int | None = None) -> "Config":
         raise ConfigError(
             f"training.global_batch_size = {t.global_batch_size}: must be a multiple of local_batch_size x dp "
             f"= {t.local_batch_size} x {dims.dp} = {unit} (or -1)")
+    if not data:
+        return cfg
     _check_data(cfg)
     if cfg.checkpoint.enable:
         from torchmeg.checkpoint import check_folder

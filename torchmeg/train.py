@@ -58,11 +58,9 @@ class Trainer:
     def __init__(self, cfg: Config):
         from torchmeg.data import build_dataset, build_loader, build_tokenizer, open_stores
         from torchmeg.metrics import MetricsLogger, peak_flops
-        from torchmeg.models import active_params, build_model, count_params, flops_per_token, get_spec, materialize
+        from torchmeg.models import active_params, count_params, flops_per_token, get_spec
         from torchmeg.optim import build_lr_scheduler, build_optimizer
         from torchmeg.parallel import ParallelDims
-        from torchmeg.parallel.parallelize import describe_report, parallelize
-
         from torchmeg.parallel.pipeline import describe_inflight
         self.cfg = cfg
         self.device = pick_device(cfg)
@@ -93,36 +91,16 @@ class Trainer:
 
         # Model: built on meta, parallelized, then materialised and initialised from (seed, FQN).
         self.spec = get_spec(cfg.model.name)
-        model = build_model(cfg, self.tokenizer.vocab_size, "meta")
-        self.args = model.args
-        self.model_class = getattr(model, "hf_class", type(model).__name__)
-        self.n_params = count_params(model)
-        self.n_params_dense = count_params(model, exclude_embeddings=True)
-        self.n_params_active = active_params(model)
-        self.flops_per_token = flops_per_token(model, model.args, cfg.data.seq_len)
-        self.schedule, self.pp_group = None, mesh["pp"].get_group()
-        if dims.pp > 1:
-            # Split into this rank's stages first; each stage then goes through the whole pass.
-            from torchmeg.parallel import pipeline as pl
-            sched = cfg.parallelism.pipeline_parallel_schedule
-            v, counts = pl.plan_stages(cfg, model.args.n_layers, dims.pp)
-            ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, v, sched)
-            parts = pl.split_model(model, self.spec, counts, ids)
-            for part in parts:
-                parallelize(part, dims, cfg, mesh=mesh)
-                materialize(part, self.device, cfg.job.seed, shard=_local_shard)
-            self.parallel_report = " | ".join(describe_report(part.torchmeg_report) for part in parts)
-            self.has_first, self.has_last = 0 in ids, len(counts) - 1 in ids
-            self.schedule = pl.build_schedule(parts, ids, len(counts), self.device, self.pp_group,
-                                              pl.microbatches(cfg, dims.pp, v, self.accum), cross_entropy, sched)
-            self.stage_desc = f"stages {ids} of {len(counts)} ({counts} layers), {sched}"
-            if dims.fsdp > 1 and sched in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
-                self.stage_desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
-            model = pl.StageUnion(parts, self.spec.layers_attr)
-        else:
-            model = parallelize(model, dims, cfg, mesh=mesh)
-            self.parallel_report = describe_report(model.torchmeg_report)
-            materialize(model, self.device, cfg.job.seed, shard=_local_shard)
+        built = build_parallel_model(cfg, dims, mesh, self.device, self.tokenizer.vocab_size, cfg.job.seed, self.accum)
+        model, self.args = built.model, built.args
+        self.model_class = getattr(built.whole, "hf_class", type(built.whole).__name__)
+        self.n_params = count_params(built.whole)
+        self.n_params_dense = count_params(built.whole, exclude_embeddings=True)
+        self.n_params_active = active_params(built.whole)
+        self.flops_per_token = flops_per_token(built.whole, self.args, cfg.data.seq_len)
+        self.schedule, self.pp_group = built.schedule, mesh["pp"].get_group()
+        self.parallel_report = built.report
+        self.has_first, self.has_last, self.stage_desc = built.has_first, built.has_last, built.stage_desc
         self.model = model
         self.params = list(model.parameters())
         self.moe_layers = [m for m in model.modules() if hasattr(m, "update_bias")]
@@ -186,25 +164,30 @@ class Trainer:
             stack.enter_context(loss_parallel())
         return stack
 
+    def forward_backward(self, batches) -> torch.Tensor:
+        """Forward and backward over the step's microbatches (gradients accumulate in the
+        parameters) -> the sum of this rank's microbatch losses, each divided by accum."""
+        if self.schedule is not None:  # the schedule runs every microbatch itself
+            return self._pipeline_step(batches, train=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for m, (inputs, labels) in enumerate(batches):
+            inputs, labels = self._local(inputs), self._local(labels)
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                # Reduce gradients once, after the last microbatch.
+                self.model.set_requires_gradient_sync(m == self.accum - 1)
+            with self._ctx():
+                guard.inject_fault(self.step + 1, self.rank)
+                loss = self.loss_fn(self.model(inputs), labels) / self.accum
+                if inject_nan(self.step + 1):
+                    loss = loss * float("nan")
+                loss.backward()
+            loss_sum += _scalar(loss.detach()).float()
+        return loss_sum
+
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped)."""
         from torchmeg.optim import clip_grads, grad_norm
-        if self.schedule is not None:  # the schedule runs every microbatch itself
-            loss_sum = self._pipeline_step(batches, train=True)
-        else:
-            loss_sum = torch.zeros((), device=self.device)
-            for m, (inputs, labels) in enumerate(batches):
-                inputs, labels = self._local(inputs), self._local(labels)
-                if hasattr(self.model, "set_requires_gradient_sync"):
-                    # Reduce gradients once, after the last microbatch.
-                    self.model.set_requires_gradient_sync(m == self.accum - 1)
-                with self._ctx():
-                    guard.inject_fault(self.step + 1, self.rank)
-                    loss = self.loss_fn(self.model(inputs), labels) / self.accum
-                    if inject_nan(self.step + 1):
-                        loss = loss * float("nan")
-                    loss.backward()
-                loss_sum += _scalar(loss.detach()).float()
+        loss_sum = self.forward_backward(batches)
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
         if self.expert_params:
@@ -426,18 +409,59 @@ class Trainer:
             dist.destroy_process_group()
 
 
+class Built:
+    """What build_parallel_model() made: `model` (this rank's, a StageUnion of its pipeline stages
+    under PP), `whole` (the meta model before any split: counts and FLOPs), `parts` (the stages,
+    or [model]), their stage `ids`, the pipeline `schedule` (None without PP), the header texts."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def build_parallel_model(cfg, dims, mesh, device, vocab: int, seed: int | None, accum: int, schedule: bool = True,
+                         storage=contextlib.nullcontext) -> Built:
+    """The model on this rank: built on meta, split into its pipeline stages, each parallelized
+    (torchmeg.parallel.parallelize) and materialised on `device`, every parameter initialised from
+    (seed, FQN) on its own shard only. The planner's fake-tensor dry run passes seed None (storage
+    only), schedule=False (no peers to run one with) and storage=FakeTensorMode (what storage is
+    made under; parallelize() itself runs outside it, as it builds meshes)."""
+    from torchmeg.models import build_model, get_spec, materialize
+    from torchmeg.parallel.parallelize import describe_report, parallelize
+    from torchmeg.parallel.shards import local_block
+    spec = get_spec(cfg.model.name)
+    whole = build_model(cfg, vocab, "meta")
+    if dims.pp == 1:
+        model = parallelize(whole, dims, cfg, mesh=mesh)
+        with storage():
+            materialize(model, device, seed, block=local_block)
+        return Built(model=model, whole=whole, parts=[model], ids=[0], counts=[whole.args.n_layers], schedule=None,
+                     args=whole.args, report=describe_report(model.torchmeg_report), has_first=True, has_last=True,
+                     stage_desc="")
+    # Split into this rank's stages first; each stage then goes through the whole pass.
+    from torchmeg.parallel import pipeline as pl
+    sched = cfg.parallelism.pipeline_parallel_schedule
+    v, counts = pl.plan_stages(cfg, whole.args.n_layers, dims.pp)
+    ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, v, sched)
+    parts = pl.split_model(whole, spec, counts, ids)
+    for part in parts:
+        parallelize(part, dims, cfg, mesh=mesh)
+        with storage():
+            materialize(part, device, seed, block=local_block)
+    pipe = None
+    if schedule:
+        pipe = pl.build_schedule(parts, ids, len(counts), device, mesh["pp"].get_group(),
+                                 pl.microbatches(cfg, dims.pp, v, accum), cross_entropy, sched)
+    desc = f"stages {ids} of {len(counts)} ({counts} layers), {sched}"
+    if dims.fsdp > 1 and sched in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
+        desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
+    return Built(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, ids=ids, counts=counts,
+                 schedule=pipe, args=whole.args, report=" | ".join(describe_report(p.torchmeg_report) for p in parts),
+                 has_first=0 in ids, has_last=len(counts) - 1 in ids, stage_desc=desc)
+
+
 def _parts(ds):
     src = ds.src
     return src.sources if hasattr(src, "sources") else [src]
-
-
-def _local_shard(param, full: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of a full parameter, for any DTensor placements (FSDP, TP, both)."""
-    if not hasattr(param, "device_mesh"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-    local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return local.to_local()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,8 +71,8 @@ def build_tokenizer(spec: str):
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isfile(spec):
-        raise ConfigError(f"data.tokenizer = {spec!r}: no such file; use \"byte\" or a path to a tokenizer.json "
-                          f"(tools/preprocess_data.py --train-tokenizer makes one)")
+        raise ConfigError(f"data.tokenizer = {spec!r}: no such file; supply it (--data.tokenizer=PATH to a "
+                          f"tokenizer.json) or use \"byte\" (tools/preprocess_data.py --train-tokenizer makes one)")
     try:
         # Validation and the trainer each ask for the tokenizer; a large tokenizer.json is parsed once.
         return _load_hf(os.path.abspath(spec), os.path.getmtime(spec))

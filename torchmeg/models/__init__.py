@@ -181,12 +181,21 @@ def model_args(cfg, tokenizer_vocab: int | None = None):
     return args
 
 
-def check_model_config(cfg):
-    """Validate the model section; returns args (vocab resolved from the tokenizer)."""
+def check_model_config(cfg, tokenizer: bool = True):
+    """Validate the model section; returns args (vocab resolved from the tokenizer). tokenizer=False
+    (the planner): the vocabulary must come from the flavor or model.vocab_size, or from a
+    tokenizer file if the recipe's exists."""
     from torchmeg.config import ConfigError
     from torchmeg.data.tokenizer import build_tokenizer
-    tok = build_tokenizer(cfg.data.tokenizer)
-    args = model_args(cfg, tok.vocab_size)
+    if not tokenizer and cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
+        args = model_args(cfg, None)
+        if args.vocab_size < 1:
+            raise ConfigError(f"model.vocab_size = {args.vocab_size}: the vocabulary comes from data.tokenizer = "
+                              f"{cfg.data.tokenizer!r}, which is not here; set model.vocab_size to plan without it")
+        tok = None
+    else:
+        tok = build_tokenizer(cfg.data.tokenizer)
+        args = model_args(cfg, tok.vocab_size)
     spec = get_spec(cfg.model.name)
     p = cfg.parallelism
     if not spec.pipeline and p.pipeline_parallel_degree > 1:
@@ -213,7 +222,7 @@ def check_model_config(cfg):
         raise ConfigError(f"model.n_kv_heads = {args.kv_heads}: must divide model.n_heads = {args.n_heads}")
     if hasattr(args, "rope_theta") and args.head_dim % 2:
         raise ConfigError(f"model.dim / model.n_heads = {args.head_dim}: RoPE needs an even head dim")
-    if args.vocab_size < tok.vocab_size:
+    if tok is not None and args.vocab_size < tok.vocab_size:
         raise ConfigError(f"model.vocab_size = {args.vocab_size}: smaller than the tokenizer's "
                           f"{tok.vocab_size} tokens; raise it or use -1 (= tokenizer size)")
     if cfg.data.seq_len > args.max_seq_len:
@@ -245,13 +254,18 @@ def canonical_fqn(fqn: str) -> str:
     return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)
 
 
-def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> None:
+def init_weights(model: nn.Module, seed: int, block: Callable | None = None) -> None:
     """Initialise every parameter from (seed, FQN) alone, so any layout gets identical weights.
 
-    Each full parameter is drawn on the CPU with its own generator and `model.param_init`; `shard`
-    (given by the parallel code) maps (param, full tensor) -> this rank's local piece. Tied
-    parameters are initialised once, under their first name.
+    `block(param) -> (local tensor, offset)` (given by the parallel code) names the block of the
+    full parameter this rank holds; default: all of it. A model with `init_rule(fqn)` (Normal /
+    Constant, torchmeg.models.init) gets only that block computed, element by element from its
+    index in the full tensor: no rank ever draws a whole sharded parameter. A model with only
+    `param_init(fqn, full, generator)` (a rule torch's generators run, e.g. a Hugging Face model's
+    `_init_weights`) gets the full tensor drawn on the CPU and its block copied. Tied parameters are
+    initialised once, under their first name.
     """
+    from torchmeg.models.init import fill_block_
     seen = set()
     with torch.no_grad():
         for fqn, p in model.named_parameters():
@@ -259,11 +273,14 @@ def init_weights(model: nn.Module, seed: int, shard: Callable | None = None) -> 
                 continue
             seen.add(id(p))
             fqn = canonical_fqn(fqn)
+            local, offset = block(p) if block is not None else (p, (0,) * p.dim())
+            rule = model.init_rule(fqn) if hasattr(model, "init_rule") else None
+            if rule is not None:
+                fill_block_(local, rule, param_seed(seed, fqn), p.shape, offset)
+                continue
             full = torch.empty(p.shape, dtype=torch.float32)
             model.param_init(fqn, full, torch.Generator().manual_seed(param_seed(seed, fqn)))
-            local = shard(p, full) if shard is not None else full
-            target = p.to_local() if hasattr(p, "to_local") else p
-            target.copy_(local.to(dtype=target.dtype))
+            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
         if hasattr(model, "init_buffers"):
             model.init_buffers()
 
@@ -293,15 +310,19 @@ def retie(model: nn.Module, pairs) -> None:
         setattr(dm, dn, getattr(sm, sn))
 
 
-def materialize(model: nn.Module, device, seed: int, shard: Callable | None = None) -> nn.Module:
+def materialize(model: nn.Module, device, seed: int | None, block: Callable | None = None) -> nn.Module:
     """Meta model -> real storage on `device`, initialised from (seed, FQN); ties survive.
+    seed None: storage only (the planner's fake tensors hold no values to initialise).
 
     (`to_empty` off the meta device makes a new Parameter per module, silently untying weights.)
     """
     pairs = tied_pairs(model)
     model.to_empty(device=device)
     retie(model, pairs)
-    init_weights(model, seed, shard=shard)
+    if seed is not None:
+        init_weights(model, seed, block=block)
+    elif hasattr(model, "init_buffers"):
+        model.init_buffers()
     return model
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.init import Constant, Normal
+
 from torchmeg.models.llama import causal_attention
 
 
@@ -95,16 +97,15 @@ class GPT2(nn.Module):
     def init_buffers(self) -> None:
         pass
 
-    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    def init_rule(self, fqn: str):
         a = self.args
         if fqn.endswith("bias"):
-            t.zero_()
-        elif "norm" in fqn:
-            t.fill_(1.0)
-        elif fqn.endswith(("wo.weight", "w2.weight")):
-            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
-        else:
-            t.normal_(0.0, a.init_std, generator=gen)
+            return Constant(0.0)
+        if "norm" in fqn:
+            return Constant(1.0)
+        if fqn.endswith(("wo.weight", "w2.weight")):
+            return Normal(a.init_std / math.sqrt(2 * a.n_layers))
+        return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if self.tok_embeddings is not None:

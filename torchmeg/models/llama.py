@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.init import Constant, Normal
+
 
 @dataclass
 class LlamaArgs:
@@ -160,18 +162,17 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
-        """Initialise one full (unsharded) parameter in place; see torchmeg.models.init_weights."""
+    def init_rule(self, fqn: str):
+        """How parameter `fqn` is initialised (torchmeg.models.init; each rank fills its own shard)."""
         a = self.args
         if fqn.endswith("norm.weight"):
-            t.fill_(1.0)
-        elif fqn.endswith(("wo.weight", "w2.weight")):
+            return Constant(1.0)
+        if fqn.endswith(("wo.weight", "w2.weight")):
             # GPT-2/Megatron scaled init of residual projections: std / sqrt(2 * n_layers).
-            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
-        elif fqn == "output.weight":
-            t.normal_(0.0, a.dim ** -0.5, generator=gen)
-        else:
-            t.normal_(0.0, a.init_std, generator=gen)
+            return Normal(a.init_std / math.sqrt(2 * a.n_layers))
+        if fqn == "output.weight":
+            return Normal(a.dim ** -0.5)
+        return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.init import Normal
+
 from torchmeg.models.llama import Attention, FeedForward, Llama, LlamaArgs, RMSNorm
 
 
@@ -152,14 +154,13 @@ class MoETransformer(Llama):
         super().__init__(args)
         self.layers = nn.ModuleDict({str(i): MoEBlock(args, i) for i in range(args.n_layers)})
 
-    def param_init(self, fqn: str, t: torch.Tensor, gen: torch.Generator) -> None:
+    def init_rule(self, fqn: str):
         a = self.args
         if fqn.endswith(("experts.w1", "experts.w3")):
-            t.normal_(0.0, a.init_std, generator=gen)
-        elif fqn.endswith("experts.w2"):
-            t.normal_(0.0, a.init_std / math.sqrt(2 * a.n_layers), generator=gen)
-        else:
-            super().param_init(fqn, t, gen)
+            return Normal(a.init_std)
+        if fqn.endswith("experts.w2"):
+            return Normal(a.init_std / math.sqrt(2 * a.n_layers))
+        return super().init_rule(fqn)
 
     def init_buffers(self) -> None:
         super().init_buffers()

@@ -1,0 +1,99 @@
+"""The planner checked against reality, and every shipped recipe planned at its real world size.
+
+Plan: `python -m torchmeg.plan` (fake tensors, fake process group, one process).
+Reality: the same recipe run by the real trainer on gloo ranks (`-m torchmeg.plan --measure`),
+its step 2 measured by the same trackers.
+"""
+import glob
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ROOT, _launch_ranks
+from torchmeg.config import ConfigError, load_config, validate
+
+RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
+LAYOUTS = [("single", 1, []), ("fsdp2", 2, []), ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
+           ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"])]
+
+
+def _plan(args, timeout=400):
+    return subprocess.run([sys.executable, "-m", "torchmeg.plan"] + args, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("name,world,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
+def test_plan_equals_the_real_run(name, world, extra, tmp_path):
+    """The debug recipe (validation and checkpoints on, as shipped): per planned rank, parameter +
+    gradient + optimizer bytes equal the trainer's model_state_mib bytes, the activation peak is
+    within 20% of the tracker's on the real run, and every collective (mesh dim, kind: count and
+    bytes, point-to-point included) and the FLOPs are the same."""
+    common = ["--config", RECIPE, f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false"] + extra
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60")
+    run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
+                        world, env, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    p = _plan(common + ["--world", str(world), "--json", str(tmp_path / "plan.json")])
+    assert p.returncode == 0, p.stderr[-3000:]
+    plan = json.load(open(tmp_path / "plan.json"))
+    assert len(plan["ranks"]) == (2 if name == "pp2" else 1)
+    for r in plan["ranks"]:
+        m = json.load(open(tmp_path / f"m.rank{r['rank']}"))
+        assert r["model_state_bytes"] == m["model_state_bytes"], (name, r["rank"])
+        assert abs(r["activation_bytes"] - m["activation_bytes"]) <= 0.2 * m["activation_bytes"], \
+            (name, r["rank"], r["activation_bytes"], m["activation_bytes"])
+        got = {k: (c["count"], c["bytes"]) for k, c in r["comm"].items()}
+        want = {k: (c["count"], c["bytes"]) for k, c in m["comm"].items()}
+        assert got == want, (name, r["rank"])
+        assert r["flops"] == m["flops"], (name, r["rank"])
+    if name != "single":
+        assert any(c["count"] for r in plan["ranks"] for c in r["comm"].values())
+
+
+def _recipes():
+    return sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml")))
+
+
+@pytest.mark.timeout(900)  # ~2 min on this 2-core machine when idle: 405B alone plans 8 pipeline ranks
+def test_every_recipe_plans_at_its_world_and_fits(tmp_path):
+    """Each shipped recipe, planned at the world it names (plan.world_size; the CPU recipes at 1)
+    for the GPU it names: it fits, and the plan covers every pipeline stage's rank."""
+    def one(path):
+        name = os.path.basename(path)[:-5]
+        cfg = load_config(path)
+        world = cfg.plan.world_size or 1
+        p = _plan(["--config", path, "--world", str(world), "--json", str(tmp_path / f"{name}.json")])
+        return name, world, cfg, p
+    with ThreadPoolExecutor(2) as pool:  # two plans at a time: one per core
+        results = list(pool.map(one, _recipes()))
+    for name, world, cfg, p in results:
+        assert p.returncode == 0, (name, p.stderr[-3000:])
+        plan = json.load(open(tmp_path / f"{name}.json"))
+        assert plan["world"] == world and plan["fits"], (name, plan["ranks"][0]["need_bytes"])
+        assert len(plan["ranks"]) == cfg.parallelism.pipeline_parallel_degree
+        assert 0 < plan["mfu"] < 1 and "predicted: step" in p.stdout, name
+    worlds = {name: world for name, world, _, _ in results}
+    assert worlds["llama3_8b"] == 8 and worlds["llama3_70b"] == 64
+    assert worlds["llama3_8b_long_context"] == 32 and worlds["llama3_405b"] == 512
+
+
+def test_large_recipes_need_the_users_tokenizer_and_data():
+    """The GPU recipes name a tokenizer and corpus the user supplies: without them, one line naming
+    data.tokenizer; the planner needs neither."""
+    for path in _recipes():
+        cfg = load_config(path)
+        if cfg.data.tokenizer == "byte":
+            continue
+        with pytest.raises(ConfigError, match=r"^data\.tokenizer = .*no such file; supply it"):
+            validate(cfg, cfg.plan.world_size)
+        validate(load_config(path), cfg.plan.world_size, data=False)
+
+
+def test_plan_refuses_a_layout_that_does_not_divide():
+    p = _plan(["--config", RECIPE, "--world", "3", "--parallelism.tensor_parallel_degree=2"], timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and "does not divide the world size 3" in p.stderr, p.stderr

@@ -1,0 +1,106 @@
+"""Counter-based initialisation: each element of a parameter is a pure function of (seed, FQN, the
+element's index in the *full* tensor).
+
+So a rank can fill just the block of a parameter it holds (an FSDP row range, a TP column slice,
+both) and still get exactly the values one process would: no full tensor is ever drawn, and init
+costs each rank its shard's size, not the model's (Llama-3 70B at TP 8 x FSDP 8: 1.1 G elements per
+rank instead of 70 G). torch's stateful generators cannot be addressed by element index, hence this
+module: SplitMix64 (Steele et al. 2014, the counter-based generator behind java.util.SplittableRandom;
+passes BigCrush) mixes key + (index + 1) * golden-ratio into 64 random bits, the top 24 become a
+uniform in (0, 1) and its inverse normal CDF (`torch.special.ndtri`) a standard normal draw. Every
+step is an elementwise torch op, so it runs on the parameter's own device; ndtri is evaluated per
+element (no vectorisation-dependent rounding; checked), so how the block is cut into chunks never
+changes a value.
+
+Models say *what* each parameter gets with `init_rule(fqn)`: `Normal(std)` or `Constant(value)`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Normal:
+    std: float
+    mean: float = 0.0
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: float
+
+
+# SplitMix64's constants as signed int64 (torch has no full uint64 arithmetic; two's-complement
+# multiplication wraps identically, and right shifts are masked to make them logical).
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX = ((30, 0xBF58476D1CE4E5B9 - (1 << 64)), (27, 0x94D049BB133111EB - (1 << 64)), (31, None))
+_CHUNK = 1 << 16  # elements per pass: the int64 temporaries stay in cache (measured 3x faster than whole tensors)
+
+
+def _key(seed: int) -> int:
+    """A 63-bit per-parameter seed spread over all 64 bits (one SplitMix64 round on the CPU)."""
+    z = (seed * (_GAMMA + (1 << 64)) + 0x2545F4914F6CDD1D) % (1 << 64)
+    for shift, mult in _MIX:
+        z ^= z >> shift
+        if mult is not None:
+            z = (z * (mult + (1 << 64))) % (1 << 64)
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def _bits(index: torch.Tensor, key: int, tmp: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 of (key, index), in place in `index` (int64); `tmp` is scratch of the same size."""
+    z = index.add_(1).mul_(_GAMMA).add_(key)
+    for shift, mult in _MIX:
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp.bitwise_and_((1 << (64 - shift)) - 1)
+        z.bitwise_xor_(tmp)
+        if mult is not None:
+            z.mul_(mult)
+    return z
+
+
+def standard_normal(index: torch.Tensor, key: int) -> torch.Tensor:
+    """float32 N(0, 1) draws for the given element indices (int64, consumed)."""
+    z = _bits(index, key, torch.empty_like(index))
+    u = z.bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1).to(torch.float32)
+    return torch.special.ndtri(u.add_(0.5).mul_(2.0 ** -24))  # |x| <= 5.3: a 24-bit uniform's reach
+
+
+def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch.Tensor:
+    """Fill `out`, the block of a full tensor of `full_shape` starting at `offset` (one index per
+    dim), with what `rule` gives those elements under per-parameter `seed`."""
+    if isinstance(rule, Constant):
+        return out.fill_(rule.value)
+    if not isinstance(rule, Normal):
+        raise TypeError(f"unknown init rule {rule!r}; use torchmeg.models.init.Normal or Constant")
+    if out.numel() == 0:
+        return out
+    if not out.is_contiguous():
+        return out.copy_(fill_block_(torch.empty(out.shape, dtype=out.dtype, device=out.device), rule, seed,
+                                     full_shape, offset))
+    key, dev = _key(seed), out.device
+    full_shape, shape, offset = tuple(full_shape) or (1,), tuple(out.shape) or (1,), tuple(offset) or (0,)
+    strides = [1] * len(full_shape)
+    for d in range(len(full_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * full_shape[d + 1]
+    # Where each row (along the last dim) of the block starts in the full tensor's flat order.
+    starts = torch.zeros(shape[:-1], dtype=torch.int64, device=dev)
+    for d in range(len(shape) - 1):
+        along = (torch.arange(shape[d], device=dev) + offset[d]) * strides[d]
+        starts = starts + along.view([-1 if i == d else 1 for i in range(len(shape) - 1)])
+    starts = starts.reshape(-1) + offset[-1]
+    inner = shape[-1]
+    rows = out.view(-1, inner)
+    col = torch.arange(inner, device=dev)
+    rows_per = max(1, _CHUNK // inner)
+    for r0 in range(0, starts.numel(), rows_per):
+        r1 = min(r0 + rows_per, starts.numel())
+        for c0 in range(0, inner, _CHUNK):
+            c1 = min(c0 + _CHUNK, inner)
+            vals = standard_normal((starts[r0:r1, None] + col[None, c0:c1]).reshape(-1), key)
+            if rule.std != 1.0 or rule.mean != 0.0:
+                vals.mul_(rule.std).add_(rule.mean)
+            rows[r0:r1, c0:c1].copy_(vals.view(r1 - r0, c1 - c0))
+    return out

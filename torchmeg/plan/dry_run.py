@@ -1,0 +1,333 @@
+"""One training step of a recipe, measured per rank: on fake tensors at any world size, or on the
+real tensors of a running trainer.
+
+Fake (`dry_run`): torch's fake process group at the recipe's world size, this process playing one
+representative rank of each pipeline stage (coordinate 0 on every other mesh dim: under uneven
+sharding the first shard is the largest). Meshes are real DeviceMeshes over the fake group; the
+model is built on meta and goes through the trainer's own build (split, the real parallelize(),
+storage under FakeTensorMode), so every DTensor plan, FSDP unit and collective is the one a real
+run would have. Step 1 runs untracked (the optimizer creates its state); step 2 runs under torch's
+MemTracker (memory by category, peak) and StepCost (ops, FLOPs, bytes, collectives by mesh dim).
+
+Pipeline stages cannot run torch's schedule without peers, so a PP rank's step is accounted for
+from its parts: one microbatch's forward and backward per stage, measured the same way, and the
+schedule's own action order (pipeline_order) says how many microbatches' activations are held at
+once. compile is off in a dry run (inductor does not trace fake-mode parameters); it changes no
+parameter, gradient or optimizer byte and lowers activation memory a little, so the plan errs high.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+MIB = 2 ** 20
+
+
+def _snapshot_bytes(mt) -> dict[str, int]:
+    """MemTracker's peak snapshot summed over devices: {category: bytes}."""
+    out: dict[str, int] = {}
+    for dev, cats in mt.get_tracker_snapshot("peak").items():
+        for k, v in cats.items():
+            out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + int(v)
+    return out
+
+
+def step_memory():
+    """torch's MemTracker (live bytes by category and their peak, from every op's outputs plus the
+    parameters, gradients and optimizer state it is told about) without its per-module statistics:
+    those refuse a module called twice in one step (gradient accumulation, pipeline microbatches)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemory(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+    return StepMemory()
+
+
+class Measurement(dict):
+    """Per-rank numbers of one step: memory (bytes), flops, ops (flops, bytes, dtype), comm."""
+
+
+def track_step(run, model_parts, optimizer, labels) -> Measurement:
+    """Run `run()` (one training step) under MemTracker + StepCost."""
+    from torchmeg.plan.step_cost import StepCost
+    mt = step_memory()
+    mt.track_external(*model_parts, optimizer)
+    cost = StepCost(labels)
+    with mt, cost:
+        run()
+    mem = _snapshot_bytes(mt)
+    return Measurement(memory=mem, flops=cost.flops, ops=cost.ops, comm=cost.comm_table(),
+                       flops_by_op=cost.flops_by_op())
+
+
+def activation_bytes(memory: dict[str, int]) -> int:
+    """Peak memory that is not parameters, buffers, gradients or optimizer state: activations,
+    temporaries and gathered (unsharded) weights, at the step's peak."""
+    static = sum(memory.get(k, 0) for k in ("Parameter", "Buffer", "Gradient", "Optstate"))
+    return memory.get("Total", 0) - static
+
+
+def fake_world(world: int, rank: int):
+    """This process as `rank` of a fake world. DTensor caches each op's sharding decision under a
+    key in which a mesh of the same shape and names compares equal, whatever process groups it
+    holds: a cache kept from the previous fake world hands out meshes whose groups are gone."""
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+@contextlib.contextmanager
+def _sharding_propagation_as_in_eager():
+    """DTensor derives each op's output shape by running it on global-shaped fake tensors, under
+    the active fake mode if there is one (torch 2.13, ShardingPropagator). In a real run there is
+    none, so it makes a private FakeTensorMode that the trackers ignore; in the dry run it would
+    reuse ours and the trackers would count those global-shaped shadow ops (+40% TP matmul FLOPs,
+    +5% activation peak, measured). Make the dry run do what a real run does."""
+    import torch.distributed.tensor._sharding_prop as sp
+    saved = sp.detect_fake_mode
+    sp.detect_fake_mode = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        sp.detect_fake_mode = saved
+
+
+def dry_run(cfg, world: int, vocab: int) -> list[dict]:
+    """One entry per pipeline rank: {rank, stages, model_state_bytes, memory, flops, ops, comm, ...}.
+
+    Each pipeline rank is planned in a forked child (two at a time): DeviceMesh keeps process
+    groups of an earlier fake world alive in its caches (torch 2.13), so one process cannot be
+    two ranks in a row."""
+    from torchmeg.parallel import ParallelDims
+    dims = ParallelDims.from_config(cfg, world)
+    cfg.compile.enable = False
+    ranks = [pp_rank * (world // dims.pp) for pp_rank in range(dims.pp)]  # pp is the outermost mesh dim
+    if len(ranks) == 1:
+        return [_plan_in_fake_world(cfg, dims, ranks[0], vocab)]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+        return pool.starmap(_plan_in_fake_world, [(cfg, dims, r, vocab) for r in ranks])
+
+
+def _plan_in_fake_world(cfg, dims, rank: int, vocab: int) -> dict:
+    fake_world(dims.world_size, rank)
+    try:
+        with _sharding_propagation_as_in_eager():
+            return _plan_rank(cfg, dims, rank, vocab)
+    finally:
+        dist.destroy_process_group()
+
+
+def _plan_rank(cfg, dims, rank: int, vocab: int) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchmeg.optim import build_optimizer
+    from torchmeg.plan.step_cost import mesh_group_labels
+    from torchmeg.train import Trainer, build_parallel_model
+    device = torch.device("cpu")
+    mesh = dims.build_mesh("cpu")
+    t = cfg.training
+    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
+    labels = mesh_group_labels(mesh, *([dims.ep_mesh] if dims.ep_mesh is not None else []))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    built = build_parallel_model(cfg, dims, mesh, device, vocab, None, accum, schedule=False, storage=lambda: fake)
+    with fake:
+        model = built.model
+        opt = build_optimizer(model, cfg)
+        L = cfg.data.seq_len
+        batches = [(torch.randint(0, vocab, (t.local_batch_size, L)), torch.randint(0, vocab, (t.local_batch_size, L)))
+                   for _ in range(accum)]
+        if dims.pp == 1:
+            host = _host(Trainer, cfg, dims, mesh, device, model, accum)
+            loss_group = mesh["dp_cp"].get_group()
+            step = _step(lambda: dist.all_reduce(host.forward_backward(batches), group=loss_group), model, opt, [])
+            state = _create_optimizer_state(model, opt)
+            m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels)
+            extra = {}
+        else:
+            m, state, extra = _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels)
+    m.update(rank=rank, pp_rank=mesh["pp"].get_local_rank(), stages=built.ids, model_state_bytes=state,
+             report=built.report, **extra)
+    return m
+
+
+def _create_optimizer_state(model, opt) -> int:
+    """Step 1's lasting effect without running step 1: zero gradients and one update create the
+    optimizer's state. -> parameter + gradient + optimizer bytes, counted when all three exist
+    (where the trainer measures model_state_mib)."""
+    from torchmeg.metrics import model_state_bytes
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    state = model_state_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
+    return state
+
+
+def _host(Trainer, cfg, dims, mesh, device, model, accum):
+    """A Trainer with just what its microbatch loop reads, so the dry run runs that very loop."""
+    host = Trainer.__new__(Trainer)
+    host.cfg, host.dims, host.mesh, host.device, host.model, host.accum = cfg, dims, mesh, device, model, accum
+    host.schedule, host.step, host.rank = None, 0, dist.get_rank()
+    host.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel and dims.pp == 1
+    from torchmeg.train import cross_entropy
+    host.loss_fn = cross_entropy
+    return host
+
+
+def _step(forward_backward, model, opt, extra_groups):
+    """The trainer's step after forward/backward: the grad norm (one reduction per placement
+    group) and the optimizer update. Clipping (one multiply per gradient) is left out: fake
+    tensors hold no norm to compare with max_norm."""
+    from torchmeg.optim import grad_norm
+
+    def run():
+        forward_backward()
+        grad_norm(list(model.parameters()), extra_groups)
+        opt.step()
+    return run
+
+
+def _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels):
+    """A pipeline rank's step from its parts: each stage's microbatch measured once, then played
+    through the schedule's action order for the activations held at once."""
+    from torchmeg.parallel import pipeline as pl
+    from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
+    sched = cfg.parallelism.pipeline_parallel_schedule
+    n_stages = len(built.counts)
+    v = n_stages // dims.pp
+    n_micro = pl.microbatches(cfg, dims.pp, v, accum)
+    mb = cfg.training.local_batch_size * accum // n_micro
+    sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
+    L = cfg.data.seq_len // dims.cp
+    dim = built.args.dim
+    act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    vocab = built.args.vocab_size
+    per_stage, p2p = {}, []
+    for part, sid in zip(built.parts, built.ids):
+        if sid == 0:
+            x = torch.randint(0, vocab, (mb, L))
+        else:
+            x = torch.randn(mb, L // (dims.tp if sp else 1), dim, dtype=act_dtype, requires_grad=True)
+        y = torch.randint(0, vocab, (mb, L))
+        fm = _measure_forward(part, opt, labels, x, sid == n_stages - 1, y, n_micro)
+        per_stage[sid] = fm
+        # Activations go forward to the next stage, their gradients come back (same size).
+        if sid != n_stages - 1:
+            p2p += [("send", fm["out_bytes"]), ("recv", fm["out_bytes"])]
+        if sid != 0:
+            p2p += [("recv", x.numel() * x.element_size()), ("send", x.numel() * x.element_size())]
+    state = _create_optimizer_state(built.model, opt)
+    # The step's tail, as the trainer runs it: the loss summed over the pipeline and averaged over
+    # data parallel, the grad norm (per placement group, then over the pipeline), the update.
+    from torchmeg.optim import grad_norm
+    for p in built.model.parameters():
+        p.grad = torch.zeros_like(p)
+    pp_group = mesh["pp"].get_group()
+
+    def tail():
+        loss = torch.zeros(())
+        dist.all_reduce(loss, group=pp_group)
+        dist.all_reduce(loss, group=mesh["dp_cp"].get_group())
+        grad_norm(list(built.model.parameters()), [pp_group])
+        opt.step()
+    tail_m = track_step(tail, built.parts, opt, labels)
+    opt.zero_grad(set_to_none=True)
+    actions = torch_actions(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None)
+    row = actions[mesh["pp"].get_local_rank()]
+    live, peak = 0, 0
+    for kind, s, _ in row:
+        st = per_stage[s]
+        if kind == "F":
+            live += st["act"]
+            peak = max(peak, live + st["fwd_transient"])
+        else:
+            peak = max(peak, live + st["bwd_transient"])
+            if kind in ("B", "W"):
+                live -= st["act"]
+    comm = {}
+    flops, ops = 0, []
+    for s, st in per_stage.items():
+        for key, c in st["comm"].items():
+            # TP / CP / EP collectives run for every microbatch; FSDP gathers and reduces per step.
+            times = 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp") else n_micro
+            d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
+            for k in ("count", "bytes", "wire_bytes"):
+                d[k] += c[k] * times
+        flops += st["flops"] * n_micro
+        ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]]
+    for kind, nbytes in p2p:
+        d = comm.setdefault(f"pp/{kind}", {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": 2})
+        d["count"] += n_micro
+        d["bytes"] += nbytes * n_micro
+        d["wire_bytes"] += nbytes * n_micro if kind == "send" else 0.0
+    for key, c in tail_m["comm"].items():
+        d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
+        for k in ("count", "bytes", "wire_bytes"):
+            d[k] += c[k]
+    flops += tail_m["flops"]
+    ops += tail_m["ops"]
+    buffers = sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers())
+    # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
+    total = max(state + buffers + peak, tail_m["memory"].get("Total", 0))
+    memory = {"Total": total, "Parameter": 0, "Gradient": 0, "Optstate": 0, "Buffer": buffers}
+    memory["Parameter"] = sum(_local_bytes(p) for part in built.parts for p in part.parameters())
+    memory["Gradient"] = memory["Parameter"]  # fp32 gradients of every local parameter, held to the update
+    memory["Optstate"] = state - 2 * memory["Parameter"]
+    m = Measurement(memory=memory, flops=flops, ops=ops, comm=comm)
+    timeline = simulate(actions)
+    extra = {"pipeline": {"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb,
+                          "bubble": bubble(timeline),
+                          "stage_activation_bytes": {s: st["act"] for s, st in per_stage.items()}}}
+    return m, state, extra
+
+
+def _local_bytes(t) -> int:
+    loc = t.to_local() if hasattr(t, "to_local") else t
+    return loc.numel() * loc.element_size()
+
+
+def _measure_forward(part, opt, labels, x, last, y, n_micro) -> dict:
+    """One microbatch through one stage: bytes held after forward (activations + output), the
+    transient peaks of forward and backward above that, and its ops and collectives."""
+    from torchmeg.plan.step_cost import StepCost
+    from torchmeg.train import cross_entropy
+    mt = step_memory()
+    mt.track_external(part, opt)
+    cost = StepCost(labels)
+    with mt, cost:
+        base = _current(mt)
+        out = part(x)
+        after_fwd = _current(mt)
+        fwd_peak = _snapshot_bytes(mt).get("Total", 0)
+        if last:
+            (cross_entropy(out, y) / n_micro).backward()
+        else:
+            out.backward(torch.ones_like(out))
+        bwd_peak = _snapshot_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
+    act = after_fwd - base
+    return {"act": act, "fwd_transient": max(0, fwd_peak - after_fwd), "bwd_transient": max(0, bwd_peak - after_fwd),
+            "out_bytes": out.numel() * out.element_size(), "flops": cost.flops, "ops": cost.ops,
+            "comm": cost.comm_table()}
+
+
+def _current(mt) -> int:
+    return sum(int(v) for cats in mt.get_tracker_snapshot("current").values()
+               for k, v in cats.items() if str(getattr(k, "value", k)) == "Total")
+

@@ -1,0 +1,41 @@
+"""What the planner knows about accelerators: data from the vendors' data sheets (dense, no
+sparsity), per GPU of an 8-GPU HGX/DGX node.
+
+  H100 SXM5 80GB  NVIDIA H100 Tensor Core GPU datasheet: 989 TFLOPS bf16, 1979 fp8, 80 GB HBM3 at
+                  3.35 TB/s, NVLink 4 900 GB/s (bidirectional; 450 each way); DGX H100: 8x ConnectX-7
+                  400 Gb/s = 50 GB/s per GPU between nodes.
+  H200 SXM 141GB  NVIDIA H200 datasheet: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+  B200 (HGX)      NVIDIA HGX B200 datasheet: 2.25 PFLOPS bf16, 4.5 fp8 per GPU, 180 GB HBM3e at 7.7 TB/s
+                  (DGX B200: 1440 GB / 8), NVLink 5 1.8 TB/s (900 each way); ConnectX-7 400 Gb/s per GPU.
+  A100 SXM4 80GB  NVIDIA A100 datasheet: 312 TFLOPS bf16 (no fp8), 80 GB HBM2e at 2.04 TB/s, NVLink 3
+                  600 GB/s (300 each way); DGX A100: 8x ConnectX-6 200 Gb/s = 25 GB/s per GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_flops: float      # dense peak, FLOP/s
+    fp8_flops: float       # dense peak, FLOP/s (0: none)
+    hbm_bytes: float       # memory, bytes
+    hbm_bw: float          # bytes/s
+    nvlink_bw: float       # bytes/s each way per GPU, inside a node
+    network_bw: float      # bytes/s each way per GPU, between nodes
+    gpus_per_node: int = 8
+
+    def peak(self, dtype: str) -> float:
+        """Peak FLOP/s for the recipe's compute: bf16 (also fp8's master path), fp32 as TF32 = half."""
+        return {"bf16": self.bf16_flops, "fp8": self.fp8_flops or self.bf16_flops,
+                "fp32": self.bf16_flops / 2}[dtype]
+
+
+GB = 1e9
+GPUS = {
+    "h100": GPU("H100 SXM5 80GB", 989.4e12, 1978.9e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB),
+    "h200": GPU("H200 SXM 141GB", 989.4e12, 1978.9e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB),
+    "b200": GPU("B200 (HGX) 180GB", 2250e12, 4500e12, 180 * GB, 7.7e12, 900 * GB, 50 * GB),
+    "a100": GPU("A100 SXM4 80GB", 312e12, 0.0, 80 * GB, 2.04e12, 300 * GB, 25 * GB),
+}

@@ -1,0 +1,36 @@
+"""The planner's numbers taken from a real run: `torchrun ... -m torchmeg.plan --config R --measure
+--json OUT` builds the real trainer, runs step 1, then step 2 under the same tracking the dry run
+uses (MemTracker, StepCost). Each rank writes OUT.rank<R>. This is how the plan is checked against
+reality (tests/test_plan.py), and how a user checks it on their own cluster."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def measure_main(cfg, json_path: str | None) -> int:
+    from torchmeg.config import validate
+    from torchmeg.plan.dry_run import activation_bytes, track_step
+    from torchmeg.plan.step_cost import mesh_group_labels
+    from torchmeg.train import Trainer
+    validate(cfg)
+    cfg.compile.enable = False  # as in the dry run
+    trainer = Trainer(cfg)
+    it = iter(trainer.loader)
+    trainer.train_step([next(it) for _ in range(trainer.accum)])
+    batches = [next(it) for _ in range(trainer.accum)]
+    dims = trainer.dims
+    labels = mesh_group_labels(trainer.mesh, *([dims.ep_mesh] if dims.ep_mesh is not None else []))
+    m = track_step(lambda: trainer.train_step(batches), [trainer.model], trainer.optimizer, labels)
+    out = {"rank": trainer.rank, "model_state_bytes": trainer.state_bytes, "memory": m["memory"],
+           "activation_bytes": activation_bytes(m["memory"]), "flops": m["flops"], "flops_by_op": m["flops_by_op"], "comm": m["comm"]}
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(f"{json_path}.rank{trainer.rank}", "w") as fh:
+            json.dump(out, fh, indent=1)
+    if trainer.rank == 0:
+        print(f"measured step 2 on rank 0: model state {out['model_state_bytes'] / 2 ** 20:.2f} MiB, activations "
+              f"{out['activation_bytes'] / 2 ** 20:.2f} MiB, peak {m['memory'].get('Total', 0) / 2 ** 20:.2f} MiB",
+              flush=True)
+    trainer.close()
+    return 0

@@ -1,0 +1,206 @@
+"""What one training step costs a rank, op by op, measured by running it (on real or fake tensors).
+
+StepCost is torch's CommDebugMode (its tables of collective ops) plus, for every other op, the FLOPs
+(torch.utils.flop_counter's formulas) and the bytes it reads and writes. Like CommDebugMode it
+lets DTensor desugar first (returning NotImplemented for DTensor-level ops), so what it sees are
+the *local* ops a rank really runs and the collectives DTensor issues: per-rank numbers, where
+FlopCounterMode alone would count a TP matmul's global FLOPs. Each collective is attributed to the
+mesh dimension whose process group carried it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+aten = torch.ops.aten
+# CPU flash attention takes the CUDA flash kernel's leading arguments (q, k, v / grad_out, q, k, v,
+# out, lse) and does the same FLOPs; flop_counter has formulas for the CUDA kernels only.
+_ALIASES = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
+# Bytes each rank sends per byte of the collective's buffer, ring algorithms over n ranks
+# (NCCL's "bus bandwidth" factors; Thakur et al. 2005).
+_WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_reduce": lambda n: 2 * (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+         "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 0.0}
+
+
+def collective_kind(op_name: str) -> str:
+    n = op_name.lower()
+    for kind in ("reduce_scatter", "all_to_all", "alltoall", "broadcast", "send", "recv"):
+        if kind in n:
+            return "all_to_all" if kind == "alltoall" else kind
+    if "gather" in n:
+        return "all_gather"
+    if "reduce" in n:
+        return "all_reduce"
+    return n
+
+
+def mesh_group_labels(*meshes) -> dict[str, str]:
+    """Process-group name -> the mesh dimension it serves (flattened dims too; first name wins)."""
+    labels = {}
+    for m in meshes:
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "efsdp", "ep"):
+            try:
+                sub = m[name]
+            except (KeyError, RuntimeError, ValueError):
+                continue
+            labels.setdefault(sub.get_group().group_name, name)
+    return labels
+
+
+def _group_name(args) -> str | None:
+    """The process group of a collective's arguments: a c10d ProcessGroup object, or for
+    functional collectives the group name (their last string argument; an earlier one is the
+    reduce op)."""
+    names = [a for a in args if isinstance(a, str)]
+    if names:
+        return names[-1]
+    for a in args:
+        if isinstance(a, (torch.ScriptObject, dist.ProcessGroup)):
+            try:
+                pg = a if isinstance(a, dist.ProcessGroup) else dist.ProcessGroup.unbox(a)
+                return pg.group_name
+            except Exception:  # noqa: BLE001 - another kind of script object
+                continue
+    return None
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class StepCost(CommDebugMode):
+    def __init__(self, group_labels: dict[str, str] | None = None):
+        super().__init__()
+        self.labels = group_labels or {}
+        self.ops = []                       # (flops, bytes, matmul dtype or None) per compute op
+        self.op_names = []
+        self.collectives = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": 1})
+
+    def __enter__(self):
+        # CommDebugMode's per-module tracker is left out: its hooks fail on a module run from
+        # inside a pipeline schedule (IndexError in _fw_set_module_hook, torch 2.13); collectives
+        # are counted per step and per mesh dim here, not per module.
+        self.comm_counts.clear()
+        from torch._guards import active_fake_mode
+        self._fake_on_entry = active_fake_mode()
+        # Point-to-point traffic (the context-parallel ring, pipeline stages) goes through
+        # dist.batch_isend_irecv and pipelining's _batch_p2p: ProcessGroup calls that no dispatch
+        # mode sees, so it is counted there.
+        from torch.distributed.pipelining import schedules
+        self._saved_p2p = (dist.batch_isend_irecv, schedules._batch_p2p)
+        dist.batch_isend_irecv = lambda ops: self._count_p2p(ops, self._saved_p2p[0])
+        schedules._batch_p2p = lambda ops, desc=None: self._count_p2p(ops, self._saved_p2p[1], desc)
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args):
+        from torch.distributed.pipelining import schedules
+        dist.batch_isend_irecv, schedules._batch_p2p = self._saved_p2p
+        TorchDispatchMode.__exit__(self, *args)
+
+    def _count_p2p(self, p2p_ops, original, *rest):
+        if getattr(self, "_in_p2p", False):  # _batch_p2p passing a mixed batch on: counted once
+            return original(p2p_ops, *rest)
+        for op in p2p_ops:
+            group = op.group if op.group is not None else dist.group.WORLD
+            label = self.labels.get(group.group_name, group.group_name)
+            kind = "send" if op.op in (dist.isend, dist.send) else "recv"
+            nbytes = op.tensor.numel() * op.tensor.element_size()
+            c = self.collectives[(label, kind)]
+            c["count"] += 1
+            c["bytes"] += nbytes
+            c["wire_bytes"] += nbytes if kind == "send" else 0.0
+            c["ranks"] = 2
+        self._in_p2p = True
+        try:
+            return original(p2p_ops, *rest)
+        finally:
+            self._in_p2p = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # As CommDebugMode: a DTensor op returns NotImplemented, so DTensor runs it as local ops
+        # and collectives, which come back through here; those are what a rank really runs.
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        from torch._guards import active_fake_mode
+        if isinstance(func, torch._ops.HigherOrderOperator) or active_fake_mode() is not self._fake_on_entry:
+            return out  # (DTensor's sharding propagation runs ops under a fake mode of its own)
+        packet = func._overloadpacket
+        if packet in self.comm_registry or packet in c10d_collective_ops:
+            self.comm_counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
+            self._collective(func, args, out)
+        elif _moves_data(func, out):
+            self._compute(func, args, kwargs, out)
+        return out
+
+    def _collective(self, func, args, out) -> None:
+        name = _group_name(args)
+        label = self.labels.get(name, name or "?")
+        size = dist.distributed_c10d._resolve_process_group(name).size() if name else 1
+        buf = max((t.numel() * t.element_size() for t in _tensors([args, out])), default=0)
+        kind = collective_kind(func._overloadpacket.__name__)
+        c = self.collectives[(label, kind)]
+        c["count"] += 1
+        c["bytes"] += buf
+        c["wire_bytes"] += buf * _WIRE.get(kind, lambda n: 1.0)(size)
+        c["ranks"] = size
+
+    def _compute(self, func, args, kwargs, out) -> None:
+        packet = _ALIASES.get(func._overloadpacket, func._overloadpacket)
+        flops = 0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors([list(args), out]))
+        dtype = None
+        if flops:
+            first = next(_tensors(list(args)), None)
+            dtype = str(first.dtype).replace("torch.", "") if first is not None else None
+        self.ops.append((flops, nbytes, dtype))
+        self.op_names.append(str(packet))
+
+    # ---- summaries ----
+    @property
+    def flops(self) -> int:
+        return sum(f for f, _, _ in self.ops)
+
+    def flops_by_op(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for name, (f, _, _) in zip(self.op_names, self.ops):
+            if f:
+                out[name] += f
+        return dict(out)
+
+    def comm_table(self) -> dict[str, dict]:
+        """'mesh dim / collective' -> {count, bytes (buffers), wire_bytes (sent per rank), ranks}."""
+        return {f"{label}/{kind}": dict(v) for (label, kind), v in sorted(self.collectives.items())}
+
+
+# Ops that allocate or re-describe storage without reading or writing it.
+_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+               "set_", "resize_", "resize_storage_bytes_", "detach", "alias"}
+
+
+def _moves_data(func, out) -> bool:
+    """A kernel that reads or writes memory: not a view, not metadata, not a bare allocation."""
+    if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace == "prim":
+        return False
+    if func._overloadpacket.__name__ in _NO_TRAFFIC or next(_tensors(out), None) is None:
+        return False
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
