@@ -71,6 +71,9 @@ def test_every_recipe_plans_at_its_world_and_fits(tmp_path):
     with ThreadPoolExecutor(2) as pool:  # two plans at a time: one per core
         results = list(pool.map(one, _recipes()))
     for name, world, cfg, p in results:
+        if cfg.model.name == "moe":  # routing sizes are data: refused in one line (README, Known limits)
+            assert p.returncode == 2 and "depend on the data" in p.stderr and p.stderr.strip().count("\n") == 0
+            continue
         assert p.returncode == 0, (name, p.stderr[-3000:])
         plan = json.load(open(tmp_path / f"{name}.json"))
         assert plan["world"] == world and plan["fits"], (name, plan["ranks"][0]["need_bytes"])

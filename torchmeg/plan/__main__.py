@@ -53,7 +53,7 @@ def recipe_world(cfg) -> int:
 
 def plan(cfg, world: int, gpu_name: str) -> dict:
     """Validate (model, layout, batch; no data needed), dry-run, predict. -> the plan as a dict."""
-    from torchmeg.config import validate
+    from torchmeg.config import ConfigError, validate
     from torchmeg.models import active_params, build_model, check_model_config, count_params, flops_per_token
     from torchmeg.parallel import ParallelDims
     from torchmeg.plan.dry_run import activation_bytes, dry_run
@@ -69,7 +69,15 @@ def plan(cfg, world: int, gpu_name: str) -> dict:
     model_flops = flops_per_token(whole, args, cfg.data.seq_len) * global_tokens / world
     gpu = GPUS[gpu_name]
     t0 = time.perf_counter()
-    ranks = dry_run(copy.deepcopy(cfg), world, args.vocab_size)
+    try:
+        ranks = dry_run(copy.deepcopy(cfg), world, args.vocab_size)
+    except Exception as e:  # noqa: BLE001 - fake tensors cannot follow data-dependent shapes
+        if type(e).__name__ not in ("DynamicOutputShapeException", "DataDependentOutputException"):
+            raise
+        op = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model.name = {cfg.model.name!r}: its forward has shapes that depend on the data ({op}; "
+                          f"e.g. MoE token routing), which a fake-tensor dry run cannot follow; this model "
+                          f"cannot be planned yet") from None
     wall = time.perf_counter() - t0
     rows = []
     for r in ranks:

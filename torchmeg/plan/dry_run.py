@@ -110,30 +110,41 @@ def _sharding_propagation_as_in_eager():
 def dry_run(cfg, world: int, vocab: int) -> list[dict]:
     """One entry per pipeline rank: {rank, stages, model_state_bytes, memory, flops, ops, comm, ...}.
 
-    Each pipeline rank is planned in a forked child (two at a time): DeviceMesh keeps process
-    groups of an earlier fake world alive in its caches (torch 2.13), so one process cannot be
-    two ranks in a row."""
+    Pipeline ranks whose stages have the same shape (layer counts; first / last) measure the same:
+    one of each kind is built and measured, and every rank's schedule row is played over those
+    measurements (405B at PP 8: 3 builds for 8 ranks). Each kind is planned in a forked child
+    (two at a time): DeviceMesh keeps process groups of an earlier fake world alive in its caches
+    (torch 2.13), so one process cannot be two ranks in a row."""
+    from torchmeg.models import model_args
     from torchmeg.parallel import ParallelDims
     dims = ParallelDims.from_config(cfg, world)
     cfg.compile.enable = False
-    ranks = [pp_rank * (world // dims.pp) for pp_rank in range(dims.pp)]  # pp is the outermost mesh dim
-    if len(ranks) == 1:
-        return [_plan_in_fake_world(cfg, dims, ranks[0], vocab)]
+    if dims.pp == 1:
+        return _plan_in_fake_world(cfg, dims, [0], vocab)
+    from torchmeg.parallel import pipeline as pl
+    v, counts = pl.plan_stages(cfg, model_args(cfg, vocab).n_layers, dims.pp)
+    kinds: dict[tuple, list[int]] = {}
+    for pp_rank in range(dims.pp):
+        ids = pl.stage_ids(pp_rank, dims.pp, v, cfg.parallelism.pipeline_parallel_schedule)
+        kinds.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in ids), []).append(pp_rank)
     import multiprocessing as mp
     with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
-        return pool.starmap(_plan_in_fake_world, [(cfg, dims, r, vocab) for r in ranks])
+        groups = pool.starmap(_plan_in_fake_world, [(cfg, dims, same, vocab) for same in kinds.values()])
+    return sorted((r for g in groups for r in g), key=lambda r: r["rank"])
 
 
-def _plan_in_fake_world(cfg, dims, rank: int, vocab: int) -> dict:
-    fake_world(dims.world_size, rank)
+def _plan_in_fake_world(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
+    """Plan pipeline rank pp_ranks[0] (the global rank with that pp coordinate and 0 elsewhere;
+    pp is the outermost mesh dim); the others share its stage shapes."""
+    fake_world(dims.world_size, pp_ranks[0] * (dims.world_size // dims.pp))
     try:
         with _sharding_propagation_as_in_eager():
-            return _plan_rank(cfg, dims, rank, vocab)
+            return _plan_rank(cfg, dims, pp_ranks, vocab)
     finally:
         dist.destroy_process_group()
 
 
-def _plan_rank(cfg, dims, rank: int, vocab: int) -> dict:
+def _plan_rank(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchmeg.optim import build_optimizer
@@ -158,12 +169,9 @@ def _plan_rank(cfg, dims, rank: int, vocab: int) -> dict:
             step = _step(lambda: dist.all_reduce(host.forward_backward(batches), group=loss_group), model, opt, [])
             state = _create_optimizer_state(model, opt)
             m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels)
-            extra = {}
-        else:
-            m, state, extra = _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels)
-    m.update(rank=rank, pp_rank=mesh["pp"].get_local_rank(), stages=built.ids, model_state_bytes=state,
-             report=built.report, **extra)
-    return m
+            m.update(rank=dist.get_rank(), pp_rank=0, stages=built.ids, model_state_bytes=state, report=built.report)
+            return [m]
+        return _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks)
 
 
 def _create_optimizer_state(model, opt) -> int:
@@ -204,9 +212,10 @@ def _step(forward_backward, model, opt, extra_groups):
     return run
 
 
-def _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels):
-    """A pipeline rank's step from its parts: each stage's microbatch measured once, then played
-    through the schedule's action order for the activations held at once."""
+def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
+    """Pipeline ranks' steps from this rank's parts: each stage's microbatch measured once, then
+    every rank in pp_ranks (same stage shapes) played through its row of the schedule's action
+    order for the activations it holds at once."""
     from torchmeg.parallel import pipeline as pl
     from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
     sched = cfg.parallelism.pipeline_parallel_schedule
@@ -250,17 +259,6 @@ def _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels):
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
     actions = torch_actions(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None)
-    row = actions[mesh["pp"].get_local_rank()]
-    live, peak = 0, 0
-    for kind, s, _ in row:
-        st = per_stage[s]
-        if kind == "F":
-            live += st["act"]
-            peak = max(peak, live + st["fwd_transient"])
-        else:
-            peak = max(peak, live + st["bwd_transient"])
-            if kind in ("B", "W"):
-                live -= st["act"]
     comm = {}
     flops, ops = 0, []
     for s, st in per_stage.items():
@@ -284,18 +282,33 @@ def _plan_pipeline_rank(cfg, dims, mesh, built, opt, accum, labels):
     flops += tail_m["flops"]
     ops += tail_m["ops"]
     buffers = sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers())
-    # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
-    total = max(state + buffers + peak, tail_m["memory"].get("Total", 0))
-    memory = {"Total": total, "Parameter": 0, "Gradient": 0, "Optstate": 0, "Buffer": buffers}
-    memory["Parameter"] = sum(_local_bytes(p) for part in built.parts for p in part.parameters())
-    memory["Gradient"] = memory["Parameter"]  # fp32 gradients of every local parameter, held to the update
-    memory["Optstate"] = state - 2 * memory["Parameter"]
-    m = Measurement(memory=memory, flops=flops, ops=ops, comm=comm)
-    timeline = simulate(actions)
-    extra = {"pipeline": {"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb,
-                          "bubble": bubble(timeline),
-                          "stage_activation_bytes": {s: st["act"] for s, st in per_stage.items()}}}
-    return m, state, extra
+    params = sum(_local_bytes(p) for part in built.parts for p in part.parameters())
+    bub = bubble(simulate(actions))
+    out = []
+    for pp_rank in pp_ranks:
+        ids = pl.stage_ids(pp_rank, dims.pp, v, sched)
+        mine = dict(zip(ids, (per_stage[s] for s in built.ids)))  # same shapes, position by position
+        live, peak = 0, 0
+        for kind, s, _ in actions[pp_rank]:
+            st = mine[s]
+            if kind == "F":
+                live += st["act"]
+                peak = max(peak, live + st["fwd_transient"])
+            else:
+                peak = max(peak, live + st["bwd_transient"])
+                if kind in ("B", "W"):
+                    live -= st["act"]
+        # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
+        memory = {"Total": max(state + buffers + peak, tail_m["memory"].get("Total", 0)), "Parameter": params,
+                  "Gradient": params,  # fp32 gradients of every local parameter, held to the update
+                  "Optstate": state - 2 * params, "Buffer": buffers}
+        m = Measurement(memory=memory, flops=flops, ops=ops, comm=comm)
+        m.update(rank=pp_rank * (dims.world_size // dims.pp), pp_rank=pp_rank, stages=ids, model_state_bytes=state,
+                 report=built.report,
+                 pipeline={"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb, "bubble": bub,
+                           "stage_activation_bytes": {s: st["act"] for s, st in mine.items()}})
+        out.append(m)
+    return out
 
 
 def _local_bytes(t) -> int:

@@ -65,10 +65,8 @@ def comm_seconds(comm: dict, dims, gpu: GPU) -> dict[str, float]:
     out = {}
     for key, c in comm.items():
         dim = key.split("/")[0]
-        if dim == "pp":  # neighbouring stages: nodes apart unless the whole pipeline fits in one
-            intra = dims.world_size // dims.pp * 2 <= gpu.gpus_per_node
-        else:
-            intra = group_in_node(c["ranks"], strides.get(dim, 1), gpu)
+        # (pipeline p2p: a pair of neighbouring stages, world / pp ranks apart)
+        intra = group_in_node(2 if dim == "pp" else c["ranks"], strides.get(dim, 1), gpu)
         out[key] = c["wire_bytes"] / (gpu.nvlink_bw if intra else gpu.network_bw)
     return out
 
