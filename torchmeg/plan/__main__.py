@@ -32,6 +32,7 @@ def parse(argv):
     ap.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 (default: the recipe's plan.gpu, else h100)")
     ap.add_argument("--search", action="store_true", help="rank other layouts of the same world that fit")
     ap.add_argument("--top", type=int, default=8, help="layouts shown by --search")
+    ap.add_argument("--limit", type=int, default=24, help="layouts --search plans at most (each is a dry run)")
     ap.add_argument("--json", default=None, help="write the plan as JSON here")
     ap.add_argument("--measure", action="store_true", help="(under torchrun) measure the real trainer's step 2")
     return ap.parse_known_args(argv)
@@ -45,13 +46,13 @@ def recipe_world(cfg) -> int:
     if cfg.plan.world_size > 0:
         return cfg.plan.world_size
     if p.data_parallel_shard_degree == -1:
-        raise ConfigError("plan: data_parallel_shard_degree = -1 takes the world from the launcher; give --world N "
-                          "(or plan.world_size in the recipe)")
+        raise ConfigError("parallelism.data_parallel_shard_degree = -1: the world comes from the launcher; give "
+                          "--world N to plan (or plan.world_size in the recipe)")
     return (p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.context_parallel_degree
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
-def plan(cfg, world: int, gpu_name: str) -> dict:
+def plan(cfg, world: int, gpu_name: str, isolate: bool = False) -> dict:
     """Validate (model, layout, batch; no data needed), dry-run, predict. -> the plan as a dict."""
     from torchmeg.config import ConfigError, validate
     from torchmeg.models import active_params, build_model, check_model_config, count_params, flops_per_token
@@ -70,7 +71,7 @@ def plan(cfg, world: int, gpu_name: str) -> dict:
     gpu = GPUS[gpu_name]
     t0 = time.perf_counter()
     try:
-        ranks = dry_run(copy.deepcopy(cfg), world, args.vocab_size)
+        ranks = dry_run(copy.deepcopy(cfg), world, args.vocab_size, isolate)
     except Exception as e:  # noqa: BLE001 - fake tensors cannot follow data-dependent shapes
         if type(e).__name__ not in ("DynamicOutputShapeException", "DataDependentOutputException"):
             raise
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)}")
         if a.search:
             from torchmeg.plan.search import search
-            result = search(cfg, world, gpu, a.top)
+            result = search(cfg, world, gpu, a.top, a.limit)
         else:
             result = plan(cfg, world, gpu)
             print(render(result), flush=True)

@@ -107,7 +107,7 @@ def _sharding_propagation_as_in_eager():
         sp.detect_fake_mode = saved
 
 
-def dry_run(cfg, world: int, vocab: int) -> list[dict]:
+def dry_run(cfg, world: int, vocab: int, isolate: bool = False) -> list[dict]:
     """One entry per pipeline rank: {rank, stages, model_state_bytes, memory, flops, ops, comm, ...}.
 
     Pipeline ranks whose stages have the same shape (layer counts; first / last) measure the same:
@@ -119,15 +119,18 @@ def dry_run(cfg, world: int, vocab: int) -> list[dict]:
     from torchmeg.parallel import ParallelDims
     dims = ParallelDims.from_config(cfg, world)
     cfg.compile.enable = False
+    import multiprocessing as mp
     if dims.pp == 1:
-        return _plan_in_fake_world(cfg, dims, [0], vocab)
+        if not isolate:
+            return _plan_in_fake_world(cfg, dims, [0], vocab)
+        with mp.get_context("fork").Pool(1) as pool:  # (--search: many plans from one process)
+            return pool.apply(_plan_in_fake_world, (cfg, dims, [0], vocab))
     from torchmeg.parallel import pipeline as pl
     v, counts = pl.plan_stages(cfg, model_args(cfg, vocab).n_layers, dims.pp)
     kinds: dict[tuple, list[int]] = {}
     for pp_rank in range(dims.pp):
         ids = pl.stage_ids(pp_rank, dims.pp, v, cfg.parallelism.pipeline_parallel_schedule)
         kinds.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in ids), []).append(pp_rank)
-    import multiprocessing as mp
     with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
         groups = pool.starmap(_plan_in_fake_world, [(cfg, dims, same, vocab) for same in kinds.values()])
     return sorted((r for g in groups for r in g), key=lambda r: r["rank"])

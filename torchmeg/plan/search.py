@@ -74,7 +74,7 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 24) -> dict:
     for c in cands[:limit]:
         t0 = time.perf_counter()
         try:
-            p = plan(c, world, gpu_name)
+            p = plan(c, world, gpu_name, isolate=True)
         except ConfigError as e:
             print(f"  {describe(c):<70} skipped: {e}", flush=True)
             continue
