@@ -74,9 +74,6 @@ def test_every_recipe_plans_at_its_world_and_fits(tmp_path):
     with ThreadPoolExecutor(2) as pool:  # two plans at a time: one per core
         results = list(pool.map(one, _recipes()))
     for name, world, cfg, p in results:
-        if cfg.model.name == "moe":  # routing sizes are data: refused in one line (README, Known limits)
-            assert p.returncode == 2 and "depend on the data" in p.stderr and p.stderr.strip().count("\n") == 0
-            continue
         assert p.returncode == 0, (name, p.stderr[-3000:])
         plan = json.load(open(tmp_path / f"{name}.json"))
         assert plan["world"] == world and plan["fits"], (name, plan["ranks"][0]["need_bytes"])
@@ -103,3 +100,12 @@ def test_plan_refuses_a_layout_that_does_not_divide():
     p = _plan(["--config", RECIPE, "--world", "3", "--parallelism.tensor_parallel_degree=2"], timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and "does not divide the world size 3" in p.stderr, p.stderr
+
+
+def test_plan_refuses_expert_parallel_in_one_line():
+    """MoE is planned with routing assumed balanced (moe_debug above); expert parallel's exchange of
+    token counts sets shapes from data, which fake tensors cannot follow: one line, exit 2."""
+    p = _plan(["--config", os.path.join(ROOT, "recipes", "moe_debug.toml"), "--world", "2",
+               "--parallelism.expert_parallel_degree=2"], timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("torchmeg.plan: error: parallelism.expert_parallel_degree = 2")
+    assert p.stderr.strip().count("\n") == 0, p.stderr

@@ -107,6 +107,29 @@ def _sharding_propagation_as_in_eager():
         sp.detect_fake_mode = saved
 
 
+@contextlib.contextmanager
+def _balanced_routing():
+    """MoE routing counts tokens per expert with torch.bincount, whose output shape (and the
+    splits taken from it) depend on the data, which fake tensors do not have. The plan assumes
+    balanced routing — the state aux-loss-free balancing drives towards — by answering a bincount
+    on fake tensors with real, equal counts (T*K / E each; the remainder to the first experts).
+    Expert parallel's all-to-all of those counts stays data-dependent and is still refused."""
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    saved = torch.bincount
+
+    def bincount(x, weights=None, minlength=0):
+        if not isinstance(x, FakeTensor) or weights is not None:
+            return saved(x, weights=weights, minlength=minlength)
+        n, k = x.numel(), max(minlength, 1)
+        with unset_fake_temporarily():
+            return torch.tensor([n // k + (1 if e < n % k else 0) for e in range(k)], dtype=torch.int64)
+    torch.bincount = bincount
+    try:
+        yield
+    finally:
+        torch.bincount = saved
+
+
 def dry_run(cfg, world: int, vocab: int, isolate: bool = False) -> list[dict]:
     """One entry per pipeline rank: {rank, stages, model_state_bytes, memory, flops, ops, comm, ...}.
 
@@ -141,7 +164,7 @@ def _plan_in_fake_world(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict
     pp is the outermost mesh dim); the others share its stage shapes."""
     fake_world(dims.world_size, pp_ranks[0] * (dims.world_size // dims.pp))
     try:
-        with _sharding_propagation_as_in_eager():
+        with _sharding_propagation_as_in_eager(), _balanced_routing():
             return _plan_rank(cfg, dims, pp_ranks, vocab)
     finally:
         dist.destroy_process_group()
