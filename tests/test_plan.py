@@ -17,7 +17,9 @@ from conftest import ROOT, _launch_ranks
 from torchmeg.config import ConfigError, load_config, validate
 
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
-LAYOUTS = [("single", 1, []), ("fsdp2", 2, []), ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
+# (One process was checked too, and agrees exactly; left out of the suite for time: the FSDP 2 case
+# runs the same code with sharding on top.)
+LAYOUTS = [("fsdp2", 2, []), ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
            ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"])]
 
 
@@ -53,8 +55,7 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
         want = {k: (c["count"], c["bytes"]) for k, c in m["comm"].items()}
         assert got == want, (name, r["rank"])
         assert r["flops"] == m["flops"], (name, r["rank"])
-    if name != "single":
-        assert any(c["count"] for r in plan["ranks"] for c in r["comm"].values())
+    assert any(c["count"] for r in plan["ranks"] for c in r["comm"].values())
 
 
 def _recipes():
