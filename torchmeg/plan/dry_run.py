@@ -290,21 +290,15 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     for s, st in per_stage.items():
         for key, c in st["comm"].items():
             # TP / CP / EP collectives run for every microbatch; FSDP gathers and reduces per step.
-            times = 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp") else n_micro
-            d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
-            for k in ("count", "bytes", "wire_bytes"):
-                d[k] += c[k] * times
+            _add_comm(comm, key, c, 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp")
+                      else n_micro)
         flops += st["flops"] * n_micro
         ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]]
     for kind, nbytes in p2p:
-        d = comm.setdefault(f"pp/{kind}", {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": 2})
-        d["count"] += n_micro
-        d["bytes"] += nbytes * n_micro
-        d["wire_bytes"] += nbytes * n_micro if kind == "send" else 0.0
+        _add_comm(comm, f"pp/{kind}", {"count": 1, "bytes": nbytes, "wire_bytes": nbytes if kind == "send" else 0.0,
+                                       "ranks": 2}, n_micro)
     for key, c in tail_m["comm"].items():
-        d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
-        for k in ("count", "bytes", "wire_bytes"):
-            d[k] += c[k]
+        _add_comm(comm, key, c, 1)
     flops += tail_m["flops"]
     ops += tail_m["ops"]
     buffers = sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers())
@@ -337,8 +331,16 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     return out
 
 
+def _add_comm(comm: dict, key: str, c: dict, times: int) -> None:
+    """Add `times` x one collective entry {count, bytes, wire_bytes, ranks} into comm[key]."""
+    d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
+    for k in ("count", "bytes", "wire_bytes"):
+        d[k] += c[k] * times
+
+
 def _local_bytes(t) -> int:
-    loc = t.to_local() if hasattr(t, "to_local") else t
+    from torchmeg.metrics import _local
+    loc = _local(t)
     return loc.numel() * loc.element_size()
 
 
