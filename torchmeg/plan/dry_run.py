@@ -59,15 +59,48 @@ class Measurement(dict):
     """Per-rank numbers of one step: memory (bytes), flops, ops (flops, bytes, dtype), comm."""
 
 
-def track_step(run, model_parts, optimizer, labels) -> Measurement:
-    """Run `run()` (one training step) under MemTracker + StepCost."""
+class MicrobatchMarks:
+    """A step's microbatches, run as at most three: the first, one middle one and the last are
+    the only kinds a step has (the first creates the accumulated gradients, every middle one
+    starts from them with no gradient sync, the last syncs), so the memory peak of three is the
+    step's, and its ops and collectives are those of three plus `more` copies of the middle one's.
+    Iterating notes, where each microbatch begins, the bytes held and the StepCost tables (`memory`
+    and `cost`, set by track_step)."""
+
+    def __init__(self, batches: list, accum: int):
+        self.batches = batches[:min(accum, 3)]
+        self.more = accum - len(self.batches)
+        self.cost, self.memory, self.marks = None, None, []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            self.marks.append((_current(self.memory), self.cost.mark()))
+            yield b
+        self.marks.append((_current(self.memory), self.cost.mark()))
+
+
+def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measurement:
+    """Run `run()` (one training step) under MemTracker + StepCost. With `microbatches` (a
+    MicrobatchMarks the step iterates), its middle microbatch's ops and collectives count
+    `microbatches.more` extra times."""
     from torchmeg.plan.step_cost import StepCost
     mt = step_memory()
     mt.track_external(*model_parts, optimizer)
     cost = StepCost(labels)
+    if microbatches is not None:
+        microbatches.cost, microbatches.memory = cost, mt
     with mt, cost:
         run()
     mem = _snapshot_bytes(mt)
+    if microbatches is not None and microbatches.more:
+        (held1, c1), (held2, c2) = microbatches.marks[1:3]
+        cost.repeat(c1, c2, microbatches.more)
+        # Whatever a middle microbatch leaves held (a few KiB of batch-sized bytes here) is held
+        # once more per extra microbatch at the peak, which comes in the last one.
+        mem["Total"] = mem.get("Total", 0) + max(0, held2 - held1) * microbatches.more
     return Measurement(memory=mem, flops=cost.flops, ops=cost.ops, comm=cost.comm_table(),
                        flops_by_op=cost.flops_by_op())
 
@@ -187,14 +220,15 @@ def _plan_rank(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
         model = built.model
         opt = build_optimizer(model, cfg)
         L = cfg.data.seq_len
-        batches = [(torch.randint(0, vocab, (t.local_batch_size, L)), torch.randint(0, vocab, (t.local_batch_size, L)))
-                   for _ in range(accum)]
         if dims.pp == 1:
-            host = _host(Trainer, cfg, dims, mesh, device, model, accum)
+            batches = MicrobatchMarks([(torch.randint(0, vocab, (t.local_batch_size, L)),
+                                        torch.randint(0, vocab, (t.local_batch_size, L))) for _ in range(min(accum, 3))],
+                                      accum)
+            host = _host(Trainer, cfg, dims, mesh, device, model, len(batches))
             loss_group = mesh["dp_cp"].get_group()
             step = _step(lambda: dist.all_reduce(host.forward_backward(batches), group=loss_group), model, opt, [])
             state = _create_optimizer_state(model, opt)
-            m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels)
+            m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches)
             m.update(rank=dist.get_rank(), pp_rank=0, stages=built.ids, model_state_bytes=state, report=built.report)
             return [m]
         return _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks)

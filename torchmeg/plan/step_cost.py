@@ -175,6 +175,22 @@ class StepCost(CommDebugMode):
         self.ops.append((flops, nbytes, dtype))
         self.op_names.append(str(packet))
 
+    def mark(self) -> tuple:
+        """Where the tables stand now, for repeat()."""
+        return len(self.ops), {k: dict(v) for k, v in self.collectives.items()}
+
+    def repeat(self, start: tuple, end: tuple, times: int) -> None:
+        """Count what ran between two marks `times` more times (identical microbatches of a step)."""
+        (i, c0), (j, c1) = start, end
+        self.ops += self.ops[i:j] * times
+        self.op_names += self.op_names[i:j] * times
+        for key, c in c1.items():
+            before = c0.get(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
+            d = self.collectives[key]
+            for k in ("count", "bytes", "wire_bytes"):
+                d[k] += (c[k] - before[k]) * times
+            d["ranks"] = c["ranks"]
+
     # ---- summaries ----
     @property
     def flops(self) -> int:
