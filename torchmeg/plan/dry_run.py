@@ -67,8 +67,8 @@ class MicrobatchMarks:
     Iterating notes, where each microbatch begins, the bytes held and the StepCost tables (`memory`
     and `cost`, set by track_step)."""
 
-    def __init__(self, batches: list, accum: int):
-        self.batches = batches[:min(accum, 3)]
+    def __init__(self, make_batch, accum: int):
+        self.batches = [make_batch() for _ in range(min(accum, 3))]
         self.more = accum - len(self.batches)
         self.cost, self.memory, self.marks = None, None, []
 
@@ -221,9 +221,8 @@ def _plan_rank(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
         opt = build_optimizer(model, cfg)
         L = cfg.data.seq_len
         if dims.pp == 1:
-            batches = MicrobatchMarks([(torch.randint(0, vocab, (t.local_batch_size, L)),
-                                        torch.randint(0, vocab, (t.local_batch_size, L))) for _ in range(min(accum, 3))],
-                                      accum)
+            batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (t.local_batch_size, L)),
+                                               torch.randint(0, vocab, (t.local_batch_size, L))), accum)
             host = _host(Trainer, cfg, dims, mesh, device, model, len(batches))
             loss_group = mesh["dp_cp"].get_group()
             step = _step(lambda: dist.all_reduce(host.forward_backward(batches), group=loss_group), model, opt, [])
@@ -278,6 +277,7 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     order for the activations it holds at once."""
     from torchmeg.parallel import pipeline as pl
     from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
+    from torchmeg.plan.step_cost import add_comm
     sched = cfg.parallelism.pipeline_parallel_schedule
     n_stages = len(built.counts)
     v = n_stages // dims.pp
@@ -324,15 +324,15 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     for s, st in per_stage.items():
         for key, c in st["comm"].items():
             # TP / CP / EP collectives run for every microbatch; FSDP gathers and reduces per step.
-            _add_comm(comm, key, c, 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp")
+            add_comm(comm, key, c, 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp")
                       else n_micro)
         flops += st["flops"] * n_micro
         ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]]
     for kind, nbytes in p2p:
-        _add_comm(comm, f"pp/{kind}", {"count": 1, "bytes": nbytes, "wire_bytes": nbytes if kind == "send" else 0.0,
+        add_comm(comm, f"pp/{kind}", {"count": 1, "bytes": nbytes, "wire_bytes": nbytes if kind == "send" else 0.0,
                                        "ranks": 2}, n_micro)
     for key, c in tail_m["comm"].items():
-        _add_comm(comm, key, c, 1)
+        add_comm(comm, key, c, 1)
     flops += tail_m["flops"]
     ops += tail_m["ops"]
     buffers = sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers())
@@ -363,13 +363,6 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
                            "stage_activation_bytes": {s: st["act"] for s, st in mine.items()}})
         out.append(m)
     return out
-
-
-def _add_comm(comm: dict, key: str, c: dict, times: int) -> None:
-    """Add `times` x one collective entry {count, bytes, wire_bytes, ranks} into comm[key]."""
-    d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
-    for k in ("count", "bytes", "wire_bytes"):
-        d[k] += c[k] * times
 
 
 def _local_bytes(t) -> int:

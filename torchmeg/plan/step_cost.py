@@ -83,6 +83,16 @@ def _tensors(x):
             yield from _tensors(y)
 
 
+_SUMMED = ("count", "bytes", "wire_bytes")
+
+
+def add_comm(comm: dict, key, c: dict, times: int) -> None:
+    """Add `times` x one collective entry {count, bytes, wire_bytes, ranks} into comm[key]."""
+    d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
+    for k in _SUMMED:
+        d[k] += c[k] * times
+
+
 class StepCost(CommDebugMode):
     def __init__(self, group_labels: dict[str, str] | None = None):
         super().__init__()
@@ -186,10 +196,7 @@ class StepCost(CommDebugMode):
         self.op_names += self.op_names[i:j] * times
         for key, c in c1.items():
             before = c0.get(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
-            d = self.collectives[key]
-            for k in ("count", "bytes", "wire_bytes"):
-                d[k] += (c[k] - before[k]) * times
-            d["ranks"] = c["ranks"]
+            add_comm(self.collectives, key, {**c, **{k: c[k] - before[k] for k in _SUMMED}}, times)
 
     # ---- summaries ----
     @property
