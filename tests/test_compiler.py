@@ -1,5 +1,7 @@
 """Compiler-side transforms: torch.compile, activation recompute and float8 train like eager fp32."""
 
+import json
+import math
 import re
 
 import pytest
@@ -74,11 +76,37 @@ def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
     args = ["--config", "recipes/debug_llama.toml", "--training.steps=50", "--validation.freq=50",
             "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10"]
     run_cli(args, tmp_path, name="fp32", timeout=300)
-    run_cli(args + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300)
+    run_cli(args + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300,
+            env={"TORCHMEG_RECORD_OPS": str(tmp_path / "fp8_ops")})
+    rec = json.loads((tmp_path / "fp8_ops.rank0.json").read_text())
+    assert rec["float8_modules"] == _float8_fqns(4), rec["float8_modules"]
+    assert {"float8_e4m3fn", "float8_e5m2"} <= set(rec["dtypes_seen"]), rec["dtypes_seen"]
     a, b = read_metrics(tmp_path, "fp32")[-1], read_metrics(tmp_path, "fp8")[-1]
     assert a["step"] == b["step"] == 50
     assert abs(b["val_loss"] - a["val_loss"]) <= 0.05 * a["val_loss"], (a["val_loss"], b["val_loss"])
     assert b["loss"] < read_metrics(tmp_path, "fp8")[0]["loss"] - 1.5  # and it really trained
+
+
+def _float8_fqns(n_layers: int) -> list[str]:
+    """Every Linear of every block; the output projection stays in high precision (filter_fqns)."""
+    return sorted(f"layers.{i}.{m}" for i in range(n_layers) for m in (
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_float8_recipe_trains(recipe, tmp_path):
+    """Each torchao recipe converts the blocks' Linears (named), casts to float8 in step 1 (e4m3 for
+    weights and activations; e5m2 for gradients where the recipe casts them), and trains: loss finite
+    and falling over 15 steps."""
+    run_cli(TINY + ["--training.steps=15", "--validation.enable=false", "--float8.enable=true",
+                    f"--float8.recipe={recipe}"], tmp_path, env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
+    rec = json.loads((tmp_path / "ops.rank0.json").read_text())
+    assert rec["float8_modules"] == _float8_fqns(2), rec["float8_modules"]
+    assert "float8_e4m3fn" in rec["dtypes_seen"], rec["dtypes_seen"]
+    rows = read_metrics(tmp_path)
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in rows)
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
 
 
 # Float8 layouts vs float8 on one process.

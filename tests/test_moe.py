@@ -114,3 +114,54 @@ def test_bad_ep_layouts(override, world, words):
         validate(cfg, world_size=world)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+def _periodic_store(tmp_path) -> str:
+    """A corpus whose every training window is the same 33 tokens (one 32-byte sentence repeated,
+    windows of seq 32 at stride 32, no BOS): microbatches are then identical to each other."""
+    import subprocess
+    import sys
+    from conftest import ROOT
+    sentence = "The quick brown fox jumps over. "
+    assert len(sentence) == 32
+    (tmp_path / "rep.txt").write_text(sentence * 800)
+    p = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "rep.txt"),
+                        "--output-prefix", str(tmp_path / "rep")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return str(tmp_path / "rep")
+
+
+def test_aux_loss_gradient_is_divided_by_accumulation(tmp_path):
+    """With identical microbatches, 4 microbatches of 2 are exactly one batch of 8: the LM loss, the
+    routing fractions f and P, hence the aux loss, are the same means. So losses and grad norms must
+    agree; an aux gradient not divided by the 4 microbatches makes the router's gradient 4x too
+    strong (a strong coefficient so that shows in the norm)."""
+    store = _periodic_store(tmp_path)
+    common = MOE + [f"--data.dataset={store}", "--model.balance=aux_loss", "--model.aux_loss_coef=1.0",
+                    "--validation.enable=false", "--training.steps=3"]
+    run_cli(common + ["--training.local_batch_size=8"], tmp_path, name="big")
+    run_cli(common + ["--training.local_batch_size=2"], tmp_path, name="accum")
+    big, acc = read_metrics(tmp_path, "big"), read_metrics(tmp_path, "accum")
+    assert len(big) == len(acc) == 3
+    assert_parity(big, acc, 1e-5)
+    assert [r["tokens_per_expert"] for r in big] == [r["tokens_per_expert"] for r in acc]
+
+
+def test_recompute_does_not_count_routed_tokens_twice(tmp_path):
+    """Recompute replays each block's forward in backward; the routed-token counts (which drive the
+    balancing bias and the logged load) must be those of one forward: equal to the run without it,
+    and exactly tokens x top_k per MoE layer."""
+    common = MOE + ["--training.local_batch_size=8", "--training.steps=2", "--validation.enable=false"]
+    run_cli(common, tmp_path, name="plain")
+    run_cli(common + ["--activation_checkpoint.mode=full"], tmp_path, name="full")
+    run_cli(common + ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op"],
+            tmp_path, name="op")
+    plain = read_metrics(tmp_path, "plain")
+    cfg = load_config("recipes/moe_debug.toml", [])
+    args = build_model(cfg, 257, "meta").args
+    layers = args.n_layers - args.n_dense_layers
+    assert sum(plain[0]["tokens_per_expert"]) == 8 * 32 * args.top_k * layers
+    for name in ("full", "op"):
+        got = read_metrics(tmp_path, name)
+        assert [r["tokens_per_expert"] for r in got] == [r["tokens_per_expert"] for r in plain], name
+        assert_parity(plain, got)

@@ -268,6 +268,7 @@ class CheckpointManager:
             return "non-finite values in the loaded weights or optimizer state"
         if meta.get("model_only"):
             self.t.step = step
+        self.t.spike.load(meta.get("loss_history"))
         self._apply_recipe(keep, meta.get("recipe") or {}, step)
         return None
 
@@ -348,22 +349,23 @@ class CheckpointManager:
             dtype = getattr(torch, self.c.export_dtype)
             states = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.t.model).items()}}
         t0 = time.perf_counter()
+        extra = {"loss_history": self.t.spike.state()}  # as of this step, whenever the commit happens
         if self.c.async_mode == "async" and not last:
             fut = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group)
-            self.pending = (fut, tmp, final, step, t0, model_only)
+            self.pending = (fut, tmp, final, step, t0, model_only, extra)
             return
         dcp.save(states, checkpoint_id=tmp)
-        self._commit(tmp, final, step, t0, model_only)
+        self._commit(tmp, final, step, t0, model_only, extra)
 
     def wait(self) -> None:
         if self.pending is None:
             return
-        fut, tmp, final, step, t0, model_only = self.pending
+        fut, tmp, final, step, t0, model_only, extra = self.pending
         self.pending = None
         fut.result()
-        self._commit(tmp, final, step, t0, model_only)
+        self._commit(tmp, final, step, t0, model_only, extra)
 
-    def _commit(self, tmp, final, step, t0, model_only) -> None:
+    def _commit(self, tmp, final, step, t0, model_only, extra: dict) -> None:
         _test_hook_kill_before_commit(step)
         dist.barrier()  # every rank's shards are on disk
         files = None
@@ -378,7 +380,7 @@ class CheckpointManager:
                     "recipe": {sec: {k: getattr(getattr(c, sec), k) for k in keys} for sec, keys in _RESUME_KEYS.items()},
                     "data": {"global_batch": self.t.global_batch, "seq_len": c.data.seq_len,
                              "next_sample": self.t.sample_offset + step * self.t.global_batch},
-                    "files": files}
+                    "files": files, **extra}
             with open(os.path.join(tmp, MARKER), "w") as fh:
                 json.dump(meta, fh)
                 fh.flush()

@@ -75,6 +75,11 @@ class Training:
     deterministic: bool = _f(False)
     on_nonfinite: str = _f("skip", choices=["skip", "stop"])
     max_consecutive_skips: int = _f(10, lo=0, help="stop after this many non-finite steps in a row; 0 = no cap")
+    loss_spike_factor: float = _f(3.0, lo=0.0, help="a loss above this x the median of the last loss_spike_window "
+                                                    "steps is a spike; 0 = off")
+    loss_spike_window: int = _f(100, lo=1, help="steps whose losses form the running median")
+    on_loss_spike: str = _f("log", choices=["log", "skip", "stop"],
+                            help="log: report it and apply the step; skip: report it, no update; stop: exit 1")
     watchdog_factor: float = _f(10.0, lo=0.0, help="a step slower than this x the median step is a hang; 0 = off")
     watchdog_min_s: float = _f(120.0, lo=1.0, help="the watchdog never fires on a step before this many seconds")
     watchdog_startup_s: float = _f(1800.0, lo=1.0, help="limit for the first steps (compile), eval, checkpoint I/O")

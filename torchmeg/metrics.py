@@ -1,7 +1,7 @@
 """Honest training metrics: throughput, TFLOP/s, MFU against a named peak, real peak memory.
 
-Peak FLOP/s: a table of dense tensor-core peaks for known GPUs; anything else (every CPU) is
-measured once by a short matmul probe and cached, so MFU is never against a made-up number.
+Peak FLOP/s (the MFU denominator) comes from torchmeg.peak: datasheets for known GPUs, a probe
+on an idle machine for CPUs, and the header says which.
 """
 from __future__ import annotations
 
@@ -10,103 +10,8 @@ import math
 import os
 import platform
 import resource
-import time
 
 import torch
-
-# Dense (no sparsity) bf16 peak FLOP/s from the vendors' data sheets; fp32 training uses TF32,
-# half of these on Ampere/Hopper/Blackwell.
-GPU_PEAK_BF16 = [
-    ("H200", 989.4e12), ("H100 PCIe", 756.0e12), ("H100", 989.4e12), ("H800", 989.4e12),
-    ("B200", 2250e12), ("GB200", 2500e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362.1e12),
-    ("L4", 121e12), ("A10G", 70e12), ("A10", 125e12), ("RTX 4090", 165.2e12), ("RTX 3090", 71e12),
-    ("MI300X", 1307.4e12), ("MI250X", 383e12),
-]
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def measure_matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
-    """Best-of achieved FLOP/s of an n x n matmul in `dtype` with the current thread count."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    torch.mm(a, b)
-    sync()
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        sync()
-        best = max(best, 4 * 2 * n ** 3 / (time.perf_counter() - t0))
-    return best
-
-
-def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str) -> tuple[float, str]:
-    """(peak FLOP/s per rank, where the number came from)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, bf16 in GPU_PEAK_BF16:
-            if key in name:
-                peak = bf16 if dtype == torch.bfloat16 else bf16 / 2
-                return peak, f"{name} datasheet {'bf16' if dtype == torch.bfloat16 else 'tf32'} dense"
-        peak = measure_matmul_flops(dtype, "cuda", n=8192, seconds=1.0)
-        return peak, f"{name} measured matmul probe"
-    threads = torch.get_num_threads()
-    key, path = _cache_key(dtype), os.path.join(cache_dir, "peak_flops.json")
-    table = _read_table(path)
-    if key not in table:
-        table[key] = _probe(dtype)
-        _write_table(path, table)
-    dt = str(dtype).replace("torch.", "")
-    return table[key], f"measured {dt} matmul probe, {threads} thread{'s' * (threads > 1)}, cached in {path}"
-
-
-def _cache_key(dtype: torch.dtype) -> str:
-    return f"{_cpu_name()}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
-
-
-def _probe(dtype: torch.dtype) -> float:
-    # bf16 matmuls on a CPU without bf16 units run ~100x slower than fp32: a smaller probe
-    # keeps the first bf16 run from spending ~10 s per rank here.
-    return measure_matmul_flops(dtype, "cpu", n=1024 if dtype == torch.float32 else 512)
-
-
-def _read_table(path: str) -> dict:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_table(path: str, table: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(table, fh, indent=1)
-    os.replace(tmp, path)
-
-
-def repair_peak(achieved: float, dtype: torch.dtype, cache_dir: str) -> float:
-    """A run beat the cached CPU peak: the probe was taken on a busy machine. Probe again and keep
-    the larger of that and what the run achieved, so MFU never reads above 100% for long."""
-    key, path = _cache_key(dtype), os.path.join(cache_dir, "peak_flops.json")
-    peak = max(achieved, _probe(dtype))
-    table = _read_table(path)
-    table[key] = max(peak, table.get(key, 0.0))
-    _write_table(path, table)
-    return table[key]
-
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this rank: CUDA allocator peak on GPU, the process high-water mark on CPU."""
@@ -227,6 +132,8 @@ def format_line(r: dict) -> str:
         s += f" | experts max/mean {r['moe_imbalance']:.2f}"
     if "val_loss" in r:
         s += f" | val_loss {r['val_loss']:.4f}"
-    if r.get("skipped"):
+    if r.get("loss_spike"):
+        s += " | LOSS SPIKE" + (" (update skipped)" if r.get("skipped") else "")
+    elif r.get("skipped"):
         s += " | SKIPPED (non-finite)"
     return s

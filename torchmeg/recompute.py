@@ -6,6 +6,7 @@ selective op  per-op: matmul and attention outputs are saved, cheap pointwise op
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -34,12 +35,38 @@ def _op_policy(save_ops, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+@contextlib.contextmanager
+def _stats_off(modules: list[nn.Module]):
+    """While backward replays a block's forward, modules that record statistics in their forward
+    (MoE's routed-token counts: `record_stats`) must not record them a second time."""
+    for m in modules:
+        m.record_stats = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.record_stats = True
+
+
+@contextlib.contextmanager
+def _both(a, b):
+    with a, b:
+        yield
+
+
+def _contexts(selective_ctx, recorders: list[nn.Module]):
+    """checkpoint's context_fn: (forward context, recompute context); entered later by checkpoint."""
+    fwd, rec = selective_ctx() if selective_ctx is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    return fwd, _both(rec, _stats_off(recorders))
+
+
 def _wrap(block: nn.Module, selective_op: bool) -> nn.Module:
-    if selective_op:
-        ops = _save_ops()
-        return checkpoint_wrapper(block, context_fn=partial(create_selective_checkpoint_contexts,
-                                                            partial(_op_policy, ops)),
-                                  preserve_rng_state=False)
+    sac = partial(create_selective_checkpoint_contexts, partial(_op_policy, _save_ops())) if selective_op else None
+    recorders = [m for m in block.modules() if hasattr(m, "record_stats")]
+    if recorders:  # a custom context only where needed: dense blocks keep the plain (compile-traceable) path
+        return checkpoint_wrapper(block, context_fn=partial(_contexts, sac, recorders), preserve_rng_state=False)
+    if sac is not None:
+        return checkpoint_wrapper(block, context_fn=sac, preserve_rng_state=False)
     return checkpoint_wrapper(block, preserve_rng_state=False)
 
 

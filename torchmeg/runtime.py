@@ -63,6 +63,11 @@ def inject_nan(step: int) -> bool:
     return os.environ.get("TORCHMEG_TEST_NAN_AT_STEP") == str(step)
 
 
+def inject_spike(step: int) -> float:
+    """Test hook: TORCHMEG_TEST_SPIKE_AT_STEP=N scales step N's loss (and so its gradients) by 50."""
+    return 50.0 if os.environ.get("TORCHMEG_TEST_SPIKE_AT_STEP") == str(step) else 1.0
+
+
 def inject_kill(step: int, rank: int) -> None:
     """Test hook: TORCHMEG_TEST_KILL_AT_STEP=N (+ _RANK) SIGKILLs one rank after step N, on the
     first attempt only (torchrun counts restarts in TORCHELASTIC_RESTART_COUNT)."""

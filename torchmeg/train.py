@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from torchmeg import __version__, guard
 from torchmeg.config import Config, ConfigError, load_config, validate
-from torchmeg.runtime import StopFlag, init_distributed, inject_kill, inject_nan, pick_device
+from torchmeg.runtime import StopFlag, init_distributed, inject_kill, inject_nan, inject_spike, pick_device
+from torchmeg.spike import LossSpikeError, SpikeGuard, batch_samples
 
 
 # Known, harmless deprecation notices from torch/torchdata internals; they would bury the log.
@@ -57,7 +58,8 @@ def _scalar(t) -> torch.Tensor:
 class Trainer:
     def __init__(self, cfg: Config):
         from torchmeg.data import build_dataset, build_loader, build_tokenizer, open_stores
-        from torchmeg.metrics import MetricsLogger, peak_flops
+        from torchmeg.metrics import MetricsLogger
+        from torchmeg.peak import peak_flops
         from torchmeg.models import active_params, count_params, flops_per_token, get_spec
         from torchmeg.optim import build_lr_scheduler, build_optimizer
         from torchmeg.parallel import ParallelDims
@@ -104,6 +106,11 @@ class Trainer:
         self.model = model
         self.params = list(model.parameters())
         self.moe_layers = [m for m in model.modules() if hasattr(m, "update_bias")]
+        # The aux loss rides with the LM loss, which is divided by the microbatch count here;
+        # under PP the schedule divides every gradient by its microbatch count itself (scale_grads).
+        for m in self.moe_layers:
+            if hasattr(m, "aux_loss_scale"):
+                m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / self.accum
         from torchmeg.parallel.expert import expert_modules
         self.expert_params = [p for m in expert_modules(model) for p in m.parameters()] if dims.ep > 1 else []
         self.router_stats = {}
@@ -123,6 +130,8 @@ class Trainer:
         # the data position follows from the step (sample_offset is non-zero only after a resume
         # that remapped it by tokens, see checkpoint.remap_data_position).
         self.step, self.ckpt, self.sample_offset = 0, None, 0
+        self.spike = SpikeGuard(t.loss_spike_factor, t.loss_spike_window, t.on_loss_spike)
+        self.spike_note = None
         if cfg.checkpoint.enable:
             from torchmeg.checkpoint import CheckpointManager
             self.ckpt = CheckpointManager(cfg, self)
@@ -180,14 +189,23 @@ class Trainer:
                 loss = self.loss_fn(self.model(inputs), labels) / self.accum
                 if inject_nan(self.step + 1):
                     loss = loss * float("nan")
+                loss = loss * inject_spike(self.step + 1)
                 loss.backward()
             loss_sum += _scalar(loss.detach()).float()
         return loss_sum
 
     def train_step(self, batches) -> tuple[float, float, bool]:
-        """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped)."""
+        """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped):
+        not stepped when the loss or norm is non-finite, or a loss spike is skipped."""
         from torchmeg.optim import clip_grads, grad_norm
-        loss_sum = self.forward_backward(batches)
+        record = os.environ.get("TORCHMEG_RECORD_OPS") if self.step == 0 else None
+        if record:  # what really ran in step 1 (torchmeg.op_record): dtypes at the matmuls, float8 modules
+            from torchmeg import op_record
+            with op_record.OpRecorder() as rec:
+                loss_sum = self.forward_backward(batches)
+            op_record.write(record, self.rank, rec.report(self.model))
+        else:
+            loss_sum = self.forward_backward(batches)
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
         if self.expert_params:
@@ -198,7 +216,12 @@ class Trainer:
                     p.grad.div_(self.dims.ep)
         gn = grad_norm(self.params, [self.pp_group] if self.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
-        if finite:
+        self.spike_note = self.spike.check(loss_val) if finite else None
+        if self.spike_note is not None:
+            self._report_spike(loss_val)
+        elif finite:
+            self.spike.record(loss_val)
+        if finite and not (self.spike_note and self.spike.action == "skip"):
             clip_grads(self.params, self.cfg.training.max_norm, gn)
             self.optimizer.step()
             if self.float8_precompute:
@@ -213,7 +236,19 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._route_stats_and_balance()
-        return loss_val, gn, finite
+        return loss_val, gn, finite and not (self.spike_note and self.spike.action == "skip")
+
+    def _report_spike(self, loss: float) -> None:
+        """One line on rank 0 naming the step and its batch; stops the run under on_loss_spike = stop."""
+        step = self.step + 1
+        first, end = batch_samples(step, self.global_batch, self.sample_offset)
+        what = {"log": "applied", "skip": "update skipped", "stop": "stopping"}[self.spike.action]
+        line = (f"loss spike at step {step}: {self.spike_note}; batch = global samples [{first}, {end}) "
+                f"(data seed {self.cfg.job.seed}); {what} (training.on_loss_spike = \"{self.spike.action}\")")
+        if self.spike.action == "stop":
+            raise LossSpikeError(line)
+        if self.rank == 0:
+            print(line, flush=True)
 
     def _route_stats_and_balance(self) -> None:
         """MoE: global tokens per expert this step -> load-balancing bias update and router stats."""
@@ -344,12 +379,12 @@ class Trainer:
                 wd.begin(f"evaluation after step {step}")
                 val = self.evaluate()
                 wd.end()
-            if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped:
+            if step % cfg.metrics.log_freq == 0 or step == 1 or step == cfg.training.steps or val is not None or not stepped or self.spike_note:
                 tps = tokens_per_step * window_steps / window_t / self.world
                 tflops = self.flops_per_token * tps / 1e12
                 if (tflops * 1e12 > self.peak and self.device.type == "cpu" and self.rank == 0 and step > 1
                         and not self._peak_repaired):  # once per run: a probe costs seconds (bf16 on CPU)
-                    from torchmeg.metrics import repair_peak
+                    from torchmeg.peak import repair_peak
                     self.peak = repair_peak(tflops * 1e12, self._dtype, cache_dir(self.cfg))
                     self._peak_repaired = True
                 row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr,
@@ -365,13 +400,16 @@ class Trainer:
                     row["val_loss"] = val
                 if not stepped:
                     row["skipped"] = True
+                if self.spike_note is not None:
+                    row["loss_spike"] = True
                 self.logger.log(row, format_line(row))
                 window_t, window_steps = 0.0, 0
             cap = cfg.training.max_consecutive_skips
             if cap and skipped_in_a_row >= cap:
                 # Every rank sees the same all-reduced loss and norm, so all stop here together.
-                raise FloatingPointError(f"{skipped_in_a_row} steps in a row had a non-finite loss or grad norm "
-                                         f"(last at step {step}); stopping (training.max_consecutive_skips = {cap})")
+                raise FloatingPointError(f"{skipped_in_a_row} steps in a row were skipped (non-finite loss or grad norm, "
+                                         f"or a loss spike; last at step {step}); stopping "
+                                         f"(training.max_consecutive_skips = {cap})")
             self.step = step
             preempted = stop.agreed()
             last = step == cfg.training.steps or preempted
@@ -488,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"torchmeg: error: {e}", file=sys.stderr, flush=True)
         code = guard.EXIT_CONFIG
-    except FloatingPointError as e:  # training.on_nonfinite = "stop" / max_consecutive_skips: all ranks alike
+    except (FloatingPointError, LossSpikeError) as e:  # on_nonfinite / on_loss_spike = "stop", max_consecutive_skips: all ranks alike
         if rank == 0:
             print(f"torchmeg: stopped: {e}", file=sys.stderr, flush=True)
         code = guard.EXIT_FAILED

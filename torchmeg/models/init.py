@@ -6,8 +6,9 @@ both) and still get exactly the values one process would: no full tensor is ever
 costs each rank its shard's size, not the model's (Llama-3 70B at TP 8 x FSDP 8: 1.1 G elements per
 rank instead of 70 G). torch's stateful generators cannot be addressed by element index, hence this
 module: SplitMix64 (Steele et al. 2014, the counter-based generator behind java.util.SplittableRandom;
-passes BigCrush) mixes key + (index + 1) * golden-ratio into 64 random bits, the top 24 become a
-uniform in (0, 1) and its inverse normal CDF (`torch.special.ndtri`) a standard normal draw. Every
+passes BigCrush) mixes key + (index + 1) * golden-ratio into 64 random bits, the top 52 become a
+uniform strictly inside (0, 1) (in float64, see `standard_normal`) and its inverse normal CDF
+(`torch.special.ndtri`) a standard normal draw. Every
 step is an elementwise torch op, so it runs on the parameter's own device; ndtri is evaluated per
 element (no vectorisation-dependent rounding; checked), so how the block is cut into chunks never
 changes a value.
@@ -62,10 +63,22 @@ def _bits(index: torch.Tensor, key: int, tmp: torch.Tensor) -> torch.Tensor:
 
 
 def standard_normal(index: torch.Tensor, key: int) -> torch.Tensor:
-    """float32 N(0, 1) draws for the given element indices (int64, consumed)."""
-    z = _bits(index, key, torch.empty_like(index))
-    u = z.bitwise_right_shift_(40).bitwise_and_((1 << 24) - 1).to(torch.float32)
-    return torch.special.ndtri(u.add_(0.5).mul_(2.0 ** -24))  # |x| <= 5.3: a 24-bit uniform's reach
+    """float32 N(0, 1) draws for the given element indices (int64, consumed).
+
+    The uniform is u = (k + 1/2) / 2^52 for the top 52 random bits k, formed and inverted in float64:
+    k + 1/2 needs 53 significant bits, exactly float64's, so u is exact and lies in
+    [2^-53, 1 - 2^-53], never 0 or 1 (ndtri(1) = +inf). (Formed in float32 from 24 bits, as this
+    once was, k = 2^24 - 1 rounded k + 1/2 up to 2^24, u to 1.0: one draw in 2^24 was +inf, so every
+    model above ~20M parameters started with an infinite weight.) |x| <= 8.2 is the reach.
+    """
+    u = open_uniform(_bits(index, key, torch.empty_like(index)))
+    return torch.special.ndtri(u).to(torch.float32)
+
+
+def open_uniform(z: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms strictly inside (0, 1) from 64-bit words `z` (int64, consumed)."""
+    k = z.bitwise_right_shift_(12).bitwise_and_((1 << 52) - 1)
+    return k.to(torch.float64).add_(0.5).mul_(2.0 ** -52)
 
 
 def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch.Tensor:

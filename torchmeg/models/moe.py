@@ -97,6 +97,13 @@ class MoE(nn.Module):
         # so they are checkpointed and follow the module's device.
         self.register_buffer("expert_bias", torch.zeros(a.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(a.n_experts), persistent=False)
+        # Set by the training loop, not the model: the aux loss's gradient is divided by the
+        # number of microbatches a step accumulates, like the LM loss it rides along with
+        # (Megatron's MoEAuxLossAutoScaler.set_loss_scale does the same).
+        self.aux_loss_scale = 1.0
+        # False while activation recompute replays this forward in backward: the routed tokens
+        # were counted once already (recompute.py turns it off for that replay).
+        self.record_stats = True
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         B, L, D = x_BLD.shape
@@ -109,8 +116,9 @@ class MoE(nn.Module):
         if self.a.route_norm:
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)
         counts = torch.bincount(idx_TK.flatten(), minlength=self.a.n_experts)
-        with torch.no_grad():
-            self.tokens_per_expert += counts.float()
+        if self.record_stats:
+            with torch.no_grad():
+                self.tokens_per_expert += counts.float()
         # Sort the T*K (token, expert) pairs by expert; run the experts; scatter back, weighted.
         order = idx_TK.flatten().argsort(stable=True)
         token_of = order // self.a.top_k
@@ -121,7 +129,8 @@ class MoE(nn.Module):
         if self.training and self.a.balance == "aux_loss" and self.a.aux_loss_coef > 0:
             f = counts.float() / idx_TK.numel()
             p = scores.mean(0) if self.a.score_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).mean(0)
-            y = _AuxLoss.apply(y, self.a.aux_loss_coef * self.a.n_experts * (f * p).sum())
+            aux = self.a.aux_loss_coef * self.a.n_experts * (f * p).sum()
+            y = _AuxLoss.apply(y, aux * self.aux_loss_scale)
         return y.view(B, L, D)
 
     @torch.no_grad()

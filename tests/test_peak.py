@@ -1,0 +1,69 @@
+"""The CPU peak that MFU divides by: a probe on a busy machine must never become the machine's peak."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from torchmeg import peak
+
+
+def _hogs(n: int) -> list[subprocess.Popen]:
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+
+
+def test_probe_under_load_is_not_cached(tmp_path):
+    """Spinning processes on every core (and one more) take the probe's cores away: it sees its own
+    CPU share fall, uses the number for this run only and writes nothing. On the idle machine the
+    next probe is clean, cached, and says when and how it was taken."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cores = len(os.sched_getaffinity(0))
+        hogs = _hogs(cores + 1)
+        try:
+            time.sleep(0.5)  # let them be scheduled
+            flops, source = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+        assert flops > 0
+        assert "BUSY" in source and "not cached" in source, source
+        assert not (tmp_path / "peak_flops.json").exists()
+
+        time.sleep(0.3)
+        p = peak.probe_cpu(torch.float32)
+        assert p.clean, f"idle machine, cpu share {p.cpu_share:.2f}"
+        flops2, source2 = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
+        table = json.loads((tmp_path / "peak_flops.json").read_text())
+        (entry,) = table.values()
+        assert entry["cpu_share"] >= peak.CLEAN_SHARE and entry["rounds"] == peak.ROUNDS
+        assert "cached in" in source2 and "cpu share" in source2 and "taken" in source2
+        # Cached: the next run reads it instead of probing.
+        assert peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))[0] == flops2
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_untrusted_cache_entries_are_probed_again(tmp_path):
+    """An entry of the old format (a bare number from an unknown probe), a contended one, or a stale
+    one is not used as the peak."""
+    path = tmp_path / "peak_flops.json"
+    key = peak._cache_key(torch.float32)
+    good = peak.Probe(1e11, 0.99, torch.get_num_threads(), 1024, 5, time.time())
+    cases = {
+        "legacy": 6.8e10,
+        "busy": dict(vars(good), flops=6.8e10, cpu_share=0.4),
+        "stale": dict(vars(good), flops=6.8e10, taken=time.time() - (peak.STALE_DAYS + 1) * 86400),
+    }
+    for name, entry in cases.items():
+        path.write_text(json.dumps({key: entry}))
+        assert peak._cached(str(path), torch.float32) is None, name
+    path.write_text(json.dumps({key: vars(good)}))
+    assert peak._cached(str(path), torch.float32).flops == 1e11
+    # A contended probe is never stored, whatever the table held.
+    peak._store(str(path), torch.float32, peak.Probe(5e10, 0.5, 1, 1024, 5, time.time()))
+    assert json.loads(path.read_text())[key]["flops"] == 1e11
