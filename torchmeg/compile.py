@@ -6,6 +6,8 @@ the graphs.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -15,11 +17,28 @@ from torchmeg.models.blocks import blocks
 
 def setup(cache_dir: str = "") -> None:
     """Where inductor keeps compiled kernels (a warm cache turns a ~17 s cold compile of a small
-    block into ~3 s), and recompiles reported with their reason (each is a silent slowdown)."""
-    import os
-    if cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(cache_dir)
+    block into ~3 s), and recompiles reported with their reason (each is a silent slowdown).
+
+    The cache is kept per CPU instruction set: torch 2.13's inductor cache does not key on the
+    ISA ATen runs with, and a cache written under the native ISA, read by a process under
+    ATEN_CPU_CAPABILITY=avx2, trains NaN from step 1 (measured: every loss NaN on the debug model;
+    correct with a cache of its own)."""
+    base = os.path.abspath(cache_dir) if cache_dir else os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+    if not base:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        base = default_cache_dir()
+    tag = isa_tag()
+    if os.path.basename(base) != tag:  # setup() runs once per pipeline stage: tag once
+        base = os.path.join(base, tag)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = base
     torch._logging.set_logs(recompiles=True)
+
+
+def isa_tag() -> str:
+    """The instruction sets this process computes with: ATen's CPU capability, oneDNN's cap."""
+    tag = f"isa-{torch.backends.cpu.get_cpu_capability()}"
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    return f"{tag}-onednn-{onednn}" if onednn else tag
 
 
 def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_path: str = "") -> int:
@@ -44,5 +63,6 @@ def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_
     return len(found)
 
 
-def compile_loss(fn):
+def compile_loss(fn, cache_dir: str = ""):
+    setup(cache_dir)
     return torch.compile(fn)

@@ -111,9 +111,9 @@ def probe_cpu(dtype: torch.dtype, rounds: int = ROUNDS, seconds: float = ROUND_S
         flops, wall = _round(dtype, "cpu", n, seconds, a, b)
         best = max(best, flops)
         s1 = _sched()
-        if s0 is not None and s1 is not None:
-            ran, waited = s1[0] - s0[0], s1[1] - s0[1]
-            got = ran / (ran + waited) if ran + waited > 0 else 1.0
+        ran, waited = (s1[0] - s0[0], s1[1] - s0[1]) if s0 is not None and s1 is not None else (0, -1)
+        if ran > 0 and waited >= 0:  # (a thread that exited mid-round takes its counts along: fall back)
+            got = ran / (ran + waited)
         else:  # no schedstat: CPU time against wall x threads (low too if a kernel uses fewer threads)
             got = (time.process_time() - c0) / (wall * threads)
         share = min(share, got)

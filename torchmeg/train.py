@@ -121,7 +121,7 @@ class Trainer:
         self.loss_fn = cross_entropy
         if cfg.compile.enable and "loss" in cfg.compile.components:
             from torchmeg.compile import compile_loss
-            self.loss_fn = compile_loss(cross_entropy)
+            self.loss_fn = compile_loss(cross_entropy, cfg.compile.cache_dir)
         from torchmeg.data.sources import cache_dir
         dtype = torch.bfloat16 if t.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, dtype, cache_dir(cfg))
