@@ -5,8 +5,9 @@ probe is only as good as the machine was idle while it ran: one taken while othe
 cores once cached a third of the real peak and every later run printed an MFU twice too high.
 So a probe here is several short rounds (the best is kept), each watching how much of the time its
 threads were runnable they actually spent on a CPU (Linux schedstat: run time vs runqueue wait).
-A probe whose threads got less than `CLEAN_SHARE` of it was contended: it is used for this run only (and the header says so), never cached. A cached entry
-records when and how it was taken and is probed again when older than `STALE_DAYS`.
+A probe whose threads got less than `CLEAN_SHARE` of it was contended: it is used for this run only
+(and the header says so), never cached. A cached entry records when and how it was taken and is
+probed again when older than `STALE_DAYS`.
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def _usable_cores() -> int:
 
 def measure_matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
     """Best-of achieved FLOP/s of an n x n matmul in `dtype` with the current thread count."""
-    return _round(dtype, device, n, seconds, *_operands(dtype, device, n))[0]
+    return _round(device, n, seconds, *_operands(dtype, device, n))[0]
 
 
 def _operands(dtype, device, n):
@@ -85,7 +86,7 @@ def _operands(dtype, device, n):
     return a, b
 
 
-def _round(dtype, device, n, seconds, a, b) -> tuple[float, float]:
+def _round(device, n, seconds, a, b) -> tuple[float, float]:
     """(best FLOP/s, wall time) of back-to-back matmuls for `seconds`."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
@@ -108,7 +109,7 @@ def probe_cpu(dtype: torch.dtype, rounds: int = ROUNDS, seconds: float = ROUND_S
     best, share = 0.0, 1.0
     for _ in range(rounds):
         c0, s0 = time.process_time(), _sched()
-        flops, wall = _round(dtype, "cpu", n, seconds, a, b)
+        flops, wall = _round("cpu", n, seconds, a, b)
         best = max(best, flops)
         s1 = _sched()
         ran, waited = (s1[0] - s0[0], s1[1] - s0[1]) if s0 is not None and s1 is not None else (0, -1)

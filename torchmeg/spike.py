@@ -45,6 +45,14 @@ class SpikeGuard:
         if self.enabled:
             self.history.append(float(loss))
 
+    def observe(self, loss: float) -> str | None:
+        """A finite step's loss: judged against the history (-> the spike's description), and
+        recorded in it when it is not a spike."""
+        note = self.check(loss)
+        if note is None:
+            self.record(loss)
+        return note
+
     def state(self) -> list[float]:
         return list(self.history)
 

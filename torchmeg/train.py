@@ -200,12 +200,12 @@ class Trainer:
         from torchmeg.optim import clip_grads, grad_norm
         record = os.environ.get("TORCHMEG_RECORD_OPS") if self.step == 0 else None
         if record:  # what really ran in step 1 (torchmeg.op_record): dtypes at the matmuls, float8 modules
-            from torchmeg import op_record
-            with op_record.OpRecorder() as rec:
-                loss_sum = self.forward_backward(batches)
-            op_record.write(record, self.rank, rec.report(self.model))
-        else:
+            from torchmeg.op_record import OpRecorder
+        with OpRecorder() if record else contextlib.nullcontext() as rec:
             loss_sum = self.forward_backward(batches)
+        if record:
+            from torchmeg.op_record import write
+            write(record, self.rank, rec.report(self.model))
         dist.all_reduce(loss_sum, group=self.loss_group)
         loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
         if self.expert_params:
@@ -216,12 +216,11 @@ class Trainer:
                     p.grad.div_(self.dims.ep)
         gn = grad_norm(self.params, [self.pp_group] if self.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
-        self.spike_note = self.spike.check(loss_val) if finite else None
+        self.spike_note = self.spike.observe(loss_val) if finite else None
         if self.spike_note is not None:
             self._report_spike(loss_val)
-        elif finite:
-            self.spike.record(loss_val)
-        if finite and not (self.spike_note and self.spike.action == "skip"):
+        stepped = finite and not (self.spike_note and self.spike.action == "skip")
+        if stepped:
             clip_grads(self.params, self.cfg.training.max_norm, gn)
             self.optimizer.step()
             if self.float8_precompute:
@@ -236,7 +235,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._route_stats_and_balance()
-        return loss_val, gn, finite and not (self.spike_note and self.spike.action == "skip")
+        return loss_val, gn, stepped
 
     def _report_spike(self, loss: float) -> None:
         """One line on rank 0 naming the step and its batch; stops the run under on_loss_spike = stop."""
