@@ -47,13 +47,12 @@ def check_flavor(recipe, model_name, flavor) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    from torchmeg.build import build_parallel_model
     from torchmeg.config import load_config
-    from torchmeg.models import canonical_fqn, check_model_config, param_seed
-    from torchmeg.models.init import Constant, fill_block_
-    from torchmeg.parallel import ParallelDims
-    from torchmeg.plan.__main__ import recipe_world
+    from torchmeg.models.init import Constant, canonical_fqn, fill_block_, param_seed
     from torchmeg.plan.dry_run import fake_world
-    from torchmeg.train import build_parallel_model
+    from torchmeg.plan.planner import recipe_world
+    from torchmeg.validate import validate
     if recipe is None:
         cfg = load_config("recipes/debug_llama.toml", [f"--model.name={model_name}", f"--model.flavor={flavor}"])
         world = 8
@@ -61,12 +60,12 @@ def check_flavor(recipe, model_name, flavor) -> dict:
         cfg = load_config(recipe, [])
         world = recipe_world(cfg) if cfg.plan.world_size > 0 or cfg.parallelism.data_parallel_shard_degree != -1 else 1
     cfg.checkpoint.enable = False
-    args = check_model_config(cfg, tokenizer=False)
-    dims = ParallelDims.from_config(cfg, world)
+    layout = validate(cfg, world, data=False)
+    dims = layout.dims
     fake_world(world, 0)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    built = build_parallel_model(cfg, dims, dims.build_mesh("cpu"), torch.device("cpu"), args.vocab_size, None, 1,
-                                 schedule=False, storage=lambda: fake)
+    built = build_parallel_model(cfg, layout, dims.build_mesh("cpu"), dims.build_ep_mesh("cpu"), torch.device("cpu"),
+                                 None, schedule=False, storage=lambda: fake)
     n_params, sampled, worst, stds, seen = 0, 0, 0.0, set(), set()
     bad = []
     for part in built.parts:

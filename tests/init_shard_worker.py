@@ -64,7 +64,7 @@ def main():
             parts = pl.split_model(model, get_spec(model_name), counts, ids)
         same, big, made = True, set(), set()
         for part in parts:
-            parallelize(part, dims, cfg, mesh=mesh)
+            parallelize(part, dims, cfg, mesh=mesh, tp_plan=get_spec(model_name).tp_plan, plan_must_match=False)
             with Created() as created:
                 materialize(part, "cpu", seed=7, block=local_block)
             made |= created.shapes

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from torchmeg.config import ConfigError, load_config, validate
+from torchmeg.config import ConfigError, load_config
+from torchmeg.validate import validate
 from torchmeg.train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT, reference_run, TINY, assert_parity, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config, validate
+from torchmeg.config import ConfigError, load_config
+from torchmeg.validate import validate
 from torchmeg.parallel.context import positions, shard_sequence
 
 P = "--parallelism."

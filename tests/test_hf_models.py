@@ -122,7 +122,8 @@ def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
 
 
 def test_hf_errors_are_one_line(tmp_path):
-    from torchmeg.config import ConfigError, load_config, validate
+    from torchmeg.config import ConfigError, load_config
+    from torchmeg.validate import validate
     base = ["--training.steps=1"]
     p = run_cli(["--config", "recipes/hf_llama_debug.toml", "--model.hf_config=nope/config.json"] + base, tmp_path,
                 check=False)

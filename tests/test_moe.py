@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import reference_run, assert_parity, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config, validate
+from torchmeg.config import ConfigError, load_config
+from torchmeg.validate import validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
 
 P = "--parallelism."

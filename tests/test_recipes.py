@@ -7,7 +7,8 @@ import os
 import pytest
 
 from conftest import ROOT
-from torchmeg.config import load_config, validate
+from torchmeg.config import load_config
+from torchmeg.validate import validate
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml"))))

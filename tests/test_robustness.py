@@ -9,7 +9,8 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, _free_port, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config, validate
+from torchmeg.config import ConfigError, load_config
+from torchmeg.validate import validate
 
 P = "--parallelism."
 

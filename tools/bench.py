@@ -29,18 +29,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
     import torch
-    from torchmeg.config import validate
     from torchmeg.metrics import peak_memory_gib
-    from torchmeg.train import Trainer, parse_args
+    from torchmeg.train import parse_args
+    from torchmeg.trainer import Trainer
+    from torchmeg.validate import validate
     cfg = parse_args(["--config", config, *overrides, f"--job.dump_folder={dump}", "--metrics.jsonl=false",
                       "--metrics.enable_tensorboard=false", "--validation.enable=false",
                       "--training.steps=1000000"])
-    validate(cfg)
-    tr = Trainer(cfg)
+    tr = Trainer(cfg, validate(cfg))
     it = iter(tr.loader)
 
     def step() -> float:
-        batches = [next(it) for _ in range(tr.accum)]
+        batches = [next(it) for _ in range(tr.layout.accum)]
         t0 = time.perf_counter()
         tr.train_step(batches)
         if tr.device.type == "cuda":
@@ -60,7 +60,7 @@ def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
                 kernels = ind_metrics.generated_kernel_count
             except Exception:  # inductor absent or not used
                 pass
-            conn.send({"tokens_per_step": tr.global_batch * cfg.data.seq_len, "flops_per_token": tr.flops_per_token,
+            conn.send({"tokens_per_step": tr.layout.tokens_per_step, "flops_per_token": tr.flops_per_token,
                        "peak_flops": tr.peak, "peak_source": tr.peak_source,
                        "memory_gib": peak_memory_gib(tr.device), "kernels": kernels})
         else:

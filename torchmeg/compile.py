@@ -10,9 +10,10 @@ import os
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from torchmeg.models.moe import is_grouped_experts
 from torchmeg.models.blocks import blocks
+from torchmeg.models.moe import is_grouped_experts
 
 
 def setup(cache_dir: str = "") -> None:
@@ -25,7 +26,6 @@ def setup(cache_dir: str = "") -> None:
     correct with a cache of its own)."""
     base = os.path.abspath(cache_dir) if cache_dir else os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
     if not base:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
         base = default_cache_dir()
     tag = isa_tag()
     if os.path.basename(base) != tag:  # setup() runs once per pipeline stage: tag once

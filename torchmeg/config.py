@@ -3,12 +3,16 @@
 The section and key names are the public contract (see RECIPES.md). Every bad input raises
 `ConfigError` with ONE line naming the key, the value and what is allowed; the CLI turns that
 into exit code 2 before any process group exists.
+
+Types are checked as a recipe loads; what else the recipe alone decides (ranges, choices, keys
+that go together) is torchmeg.recipe_checks', and the checks against the model, the world size,
+the data and the disk are their owners'; `torchmeg.validate` runs them all. This module imports
+nothing from torchmeg but its errors.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import os
 import sys
 import typing
@@ -20,9 +24,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from torchmeg.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message is one line meant for the user."""
+__all__ = ["Config", "ConfigError", "coerce", "load_config", "split_overrides"]
 
 
 def _f(default, *, choices=None, lo=None, hi=None, help=""):
@@ -218,12 +222,11 @@ class Config:
         return os.path.join(self.job.dump_folder, self.job.name)
 
 
-
-def _sections() -> list[str]:
+def sections() -> list[str]:
     return [f.name for f in dataclasses.fields(Config) if f.name != "source"]
 
 
-def _section_fields(sec: str) -> dict[str, dataclasses.Field]:
+def section_fields(sec: str) -> dict[str, dataclasses.Field]:
     cls = type(getattr(Config(), sec))
     return {f.name: f for f in dataclasses.fields(cls) if f.name != "overrides"}
 
@@ -288,10 +291,10 @@ def parse_cli_value(key: str, text: str, tp) -> Any:
 # ---- loading --------------------------------------------------------------------------------
 
 def _apply(cfg: Config, sec: str, key: str, value: Any, origin: str) -> None:
-    if sec not in _sections():
-        raise ConfigError(f"unknown section [{sec}] ({origin}){_suggest(sec, _sections())}")
+    if sec not in sections():
+        raise ConfigError(f"unknown section [{sec}] ({origin}){_suggest(sec, sections())}")
     section = getattr(cfg, sec)
-    fields = _section_fields(sec)
+    fields = section_fields(sec)
     if key in fields:
         setattr(section, key, coerce(f"{sec}.{key}", value, _hint(sec, key)))
     elif sec == "model":
@@ -334,7 +337,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         for sec, table in doc.items():
             if not isinstance(table, dict):
-                raise ConfigError(f"{path}: top-level key '{sec}' must be a [section]{_suggest(sec, _sections())}")
+                raise ConfigError(f"{path}: top-level key '{sec}' must be a [section]{_suggest(sec, sections())}")
             for key, value in table.items():
                 _apply(cfg, sec, key, value, path)
     pairs, rest = split_overrides(list(overrides or []))
@@ -342,9 +345,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         raise ConfigError(f"unrecognised argument {rest[0]!r}; overrides look like --section.key=value")
     for dotted, text in pairs:
         sec, _, key = dotted.partition(".")
-        if sec not in _sections():
-            raise ConfigError(f"unknown section in --{dotted}{_suggest(sec, _sections())}")
-        if key in _section_fields(sec):
+        if sec not in sections():
+            raise ConfigError(f"unknown section in --{dotted}{_suggest(sec, sections())}")
+        if key in section_fields(sec):
             value = parse_cli_value(f"{sec}.{key}", text, _hint(sec, key))
         elif sec == "model":  # typed later against the model's own args dataclass
             if text.lower() in ("true", "false"):
@@ -355,98 +358,6 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
                 except tomllib.TOMLDecodeError:
                     value = text
         else:
-            raise ConfigError(f"unknown key '{dotted}' (command line){_suggest(key, _section_fields(sec))}")
+            raise ConfigError(f"unknown key '{dotted}' (command line){_suggest(key, section_fields(sec))}")
         _apply(cfg, sec, key, value, "command line")
-    return cfg
-
-
-# ---- validation -----------------------------------------------------------------------------
-
-def _check_field_ranges(cfg: Config) -> None:
-    for sec in _sections():
-        section = getattr(cfg, sec)
-        for name, f in _section_fields(sec).items():
-            v, m = getattr(section, name), f.metadata
-            key = f"{sec}.{name}"
-            if m.get("choices") and v not in m["choices"]:
-                raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(map(str, m['choices']))}")
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"{key} = {v!r}: must be a finite number")
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                if m.get("lo") is not None and v < m["lo"]:
-                    raise ConfigError(f"{key} = {v!r}: must be >= {m['lo']}")
-                if m.get("hi") is not None and v > m["hi"]:
-                    raise ConfigError(f"{key} = {v!r}: must be <= {m['hi']}")
-
-
-def _check_job_name(cfg: Config) -> None:
-    """Outputs go to <dump_folder>/<name>/: the name may nest folders but never leave dump_folder."""
-    name = cfg.job.name
-    parts = name.replace("\\", "/").split("/")
-    if not name.strip() or os.path.isabs(name) or ".." in parts or any(not x for x in parts) or "\0" in name:
-        raise ConfigError(f"job.name = {name!r}: must be a relative name inside job.dump_folder (no '..', no "
-                          f"leading '/', no empty parts); e.g. \"my_run\" or \"sweep/lr_3e-3\"")
-
-
-def _check_special(cfg: Config) -> None:
-    p, t = cfg.parallelism, cfg.training
-    _check_job_name(cfg)
-    if cfg.profiling.enable and cfg.profiling.profile_freq < cfg.profiling.active_steps + 2:
-        raise ConfigError(f"profiling.profile_freq = {cfg.profiling.profile_freq}: must be at least active_steps + 2 "
-                          f"= {cfg.profiling.active_steps + 2} (one warm-up step, then the recorded ones)")
-    if p.data_parallel_shard_degree == 0:
-        raise ConfigError("parallelism.data_parallel_shard_degree = 0: use -1 (fill) or a degree >= 1")
-    if len(cfg.optimizer.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optimizer.betas):
-        raise ConfigError(f"optimizer.betas = {cfg.optimizer.betas!r}: must be two numbers in [0, 1)")
-    if t.global_batch_size == 0:
-        raise ConfigError("training.global_batch_size = 0: use -1 (= local_batch_size x dp) or a positive multiple")
-    sel = cfg.activation_checkpoint.selective_option
-    if isinstance(sel, str) and sel != "op":
-        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
-    if isinstance(sel, int) and sel < 1:
-        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
-    em = cfg.float8.emulate
-    if isinstance(em, str) and em != "auto":
-        raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
-    comps = cfg.compile.components
-    bad = [c for c in comps if c not in ("model", "loss")]
-    if bad:
-        raise ConfigError(f"compile.components = {comps!r}: unknown component {bad[0]!r}; allowed: model, loss")
-
-
-def _check_data(cfg: Config) -> None:
-    from torchmeg.data.sources import check_data_config
-    check_data_config(cfg)
-
-
-def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> "Config":
-    """Check everything that can be checked before a process group exists.
-
-    world_size defaults to $WORLD_SIZE (set by torchrun) or 1. data=False (the planner) checks
-    the model, layout and batch only: no tokenizer file, data set or checkpoint folder is needed
-    (the vocabulary then comes from the flavor or model.vocab_size).
-    """
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    _check_field_ranges(cfg)
-    _check_special(cfg)
-    from torchmeg.models import check_model_config
-    args = check_model_config(cfg, tokenizer=data)
-    from torchmeg.parallel.dims import ParallelDims
-    dims = ParallelDims.from_config(cfg, world_size)
-    dims.check_model(args, cfg)
-    t = cfg.training
-    unit = t.local_batch_size * dims.dp
-    if t.global_batch_size != -1 and t.global_batch_size % unit:
-        raise ConfigError(
-            f"training.global_batch_size = {t.global_batch_size}: must be a multiple of local_batch_size x dp "
-            f"= {t.local_batch_size} x {dims.dp} = {unit} (or -1)")
-    if not data:
-        return cfg
-    _check_data(cfg)
-    if cfg.checkpoint.enable:
-        from torchmeg.checkpoint import check_folder
-        check_folder(cfg)
-    from torchmeg.features import check_supported
-    check_supported(cfg, dims)
     return cfg

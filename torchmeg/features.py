@@ -5,6 +5,10 @@ feature lands; the error stays one clear line naming the key.
 """
 from __future__ import annotations
 
+import torch
+
+from torchmeg.errors import ConfigError
+
 _PENDING = [
     ("checkpoint.export_hf", lambda c: c.checkpoint.export_hf and c.model.name not in ("llama", "hf"),
      "HF export supports model.name = \"llama\" and \"hf\"; set it to false"),
@@ -17,7 +21,6 @@ def _value(cfg, key):
 
 
 def check_supported(cfg, dims) -> None:
-    from torchmeg.config import ConfigError
     for key, pending, instead in _PENDING:
         if pending(cfg):
             raise ConfigError(f"{key} = {_value(cfg, key)!r}: not yet supported in this version of torchmeg; {instead}")
@@ -31,10 +34,8 @@ def check_supported(cfg, dims) -> None:
 
 def device_type(cfg) -> str:
     """"cuda" or "cpu", from training.device; the one place that resolves "auto"."""
-    import torch
     if cfg.training.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.training.device == "cuda" and not torch.cuda.is_available():
-        from torchmeg.config import ConfigError
         raise ConfigError("training.device = 'cuda': no CUDA device is visible; use \"auto\" or \"cpu\"")
     return cfg.training.device

@@ -11,6 +11,8 @@ Float8Linear modules and picks torchao's Float8 TP styles (float8 casts before t
 from __future__ import annotations
 
 import dataclasses
+import logging
+import sys
 
 import torch
 from torch import nn
@@ -39,11 +41,11 @@ def _filter(filter_fqns):
 
 def apply_float8(model: nn.Module, f8, device_type: str) -> bool:
     """Convert in place; returns True if any Linear was converted."""
-    import logging
+    # torchao is imported here, lazily: only runs with float8 on pay for it (~1 s, pytree registrations).
     # torchao registers an Enum with torch's pytree at import; torch 2.13 logs a deprecation for it.
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: see above
+    from torchao.float8.float8_linear import Float8Linear  # lazy: see above
     config = Float8LinearConfig.from_recipe_name(f8.recipe)
     config = dataclasses.replace(
         config, emulate=resolve_emulate(f8.emulate, device_type),
@@ -53,14 +55,12 @@ def apply_float8(model: nn.Module, f8, device_type: str) -> bool:
 
 
 def is_float8_linear(mod: nn.Module) -> bool:
-    try:
-        from torchao.float8.float8_linear import Float8Linear
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(mod, Float8Linear)
+    # No module can be a Float8Linear before torchao's float8 module is loaded (by apply_float8).
+    f8 = sys.modules.get("torchao.float8.float8_linear")
+    return f8 is not None and isinstance(mod, f8.Float8Linear)
 
 
 def precompute_scales(model: nn.Module) -> None:
     """With float8 FSDP all-gather: compute all weight scales in one fused op after the optimizer step."""
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # lazy: see apply_float8
     precompute_float8_dynamic_scale_for_fsdp(model)

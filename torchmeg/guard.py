@@ -25,6 +25,9 @@ import threading
 import time
 import traceback
 
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _abort_process_group
+
 FAILED_KEY = "torchmeg/failed"
 EXIT_FAILED, EXIT_CONFIG, EXIT_HUNG = 1, 2, 3
 
@@ -83,12 +86,10 @@ def report_failure(exc: BaseException, rank: int) -> None:
 def hard_exit(code: int) -> None:
     """Leave now: abort NCCL communicators (bounded), flush, and skip interpreter teardown, whose
     destructors would wait on peers that are gone or stuck."""
-    import torch.distributed as dist
 
     def _abort():
         try:
             if dist.is_initialized() and "nccl" in str(dist.get_backend()):
-                from torch.distributed.distributed_c10d import _abort_process_group
                 _abort_process_group()
         except Exception:  # noqa: BLE001 - leaving anyway
             pass

@@ -12,6 +12,12 @@ import os
 import re
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from torchmeg.errors import ConfigError
 
 _NAMES = [  # torchmeg pattern -> HF pattern
     (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
@@ -90,7 +96,6 @@ def from_hf_state_dict(sd: dict, args) -> dict:
 
 
 def save_hf(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
-    from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
     hf = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(sd, args).items()}
     save_file(hf, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -102,7 +107,6 @@ def save_hf(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> 
 
 def load_hf(folder: str, args) -> dict:
     """torchmeg state dict from an HF folder (model.safetensors or sharded model-*.safetensors)."""
-    from safetensors.torch import load_file
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no .safetensors files")
@@ -112,17 +116,16 @@ def load_hf(folder: str, args) -> dict:
     return from_hf_state_dict(sd, args)
 
 
-def export_hf(trainer, folder: str) -> None:
-    """Gather the full model on rank 0 and write it as an HF LlamaForCausalLM folder."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    name = trainer.cfg.model.name
+def export_hf(model, args, cfg, folder: str) -> None:
+    """Gather the full model on rank 0 and write it as an HF folder (LlamaForCausalLM for `llama`,
+    the model's own class for `hf`)."""
+    name = cfg.model.name
     if name not in ("llama", "hf"):
         raise ValueError("checkpoint.export_hf supports model.name = 'llama' and 'hf'")
-    sd = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        dtype = getattr(torch, trainer.cfg.checkpoint.export_dtype)
-        (save_hf if name == "llama" else save_hf_native)(sd, trainer.args, folder, dtype)
+        dtype = getattr(torch, cfg.checkpoint.export_dtype)
+        (save_hf if name == "llama" else save_hf_native)(sd, args, folder, dtype)
         print(f"[checkpoint] HF safetensors written to {folder}", flush=True)
     dist.barrier()
 
@@ -130,7 +133,6 @@ def export_hf(trainer, folder: str) -> None:
 def save_hf_native(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
     """A model.name = 'hf' state dict (already in HF names) + its config, as transformers saves them:
     loads with AutoModelForCausalLM.from_pretrained(folder). A tied LM head is stored once."""
-    from safetensors.torch import save_file
     os.makedirs(folder, exist_ok=True)
     out = {k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()
            if not (args.tie_embeddings and k == "lm_head.weight")}
@@ -146,11 +148,21 @@ def load_hf_native(model, folder: str) -> int:
     """Load an HF safetensors folder into a (parallelized, materialised) model.name = 'hf' model.
     DCP's HuggingFaceStorageReader plans the reads: each rank reads only the slices of its own
     shards (FSDP / TP DTensors). Returns the number of tensors loaded."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     sd = get_model_state_dict(model)
     if getattr(model, "args", None) is not None and model.args.tie_embeddings:
         sd.pop("lm_head.weight", None)  # stored once, under the embedding's name
     dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(folder))
     set_model_state_dict(model, sd)
     return len(sd)
+
+
+def check_initial_load(cfg, hf_native: bool) -> None:
+    """checkpoint.initial_load_hf: a model whose parameters carry HF names, and a folder of safetensors."""
+    folder = cfg.checkpoint.initial_load_hf
+    if not folder:
+        return
+    if not hf_native:
+        raise ConfigError(f"checkpoint.initial_load_hf: for model.name = 'hf'; convert weights for "
+                          f"{cfg.model.name!r} with tools/convert_hf.py")
+    if not os.path.isdir(folder) or not any(f.endswith(".safetensors") for f in os.listdir(folder)):
+        raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: not a directory holding .safetensors files")

@@ -12,6 +12,8 @@ import platform
 import resource
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
+
 
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this rank: CUDA allocator peak on GPU, the process high-water mark on CPU."""
@@ -32,6 +34,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's part of `t` (its local shard for a DTensor)."""
+    loc = _local(t)
+    return loc.numel() * loc.element_size()
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds for parameters + gradients + optimizer state (local shards only)."""
     seen, n = set(), 0
@@ -41,13 +49,11 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         seen.add(id(p))
         for t in (p, p.grad):
             if t is not None:
-                loc = _local(t)
-                n += loc.numel() * loc.element_size()
+                n += local_bytes(t)
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor) and v.ndim > 0:
-                loc = _local(v)
-                n += loc.numel() * loc.element_size()
+                n += local_bytes(v)
     return n
 
 
@@ -71,7 +77,6 @@ class MetricsLogger:
                 _keep_rows_upto(path, resume_step)
             self.jsonl = open(path, "a" if resume_step > 0 else "w")
         if cfg.metrics.enable_tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, row: dict, line: str | None = None) -> None:

@@ -14,6 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from torchmeg.float8 import is_float8_linear
+
 # The ops whose operand dtype *is* the compute precision.
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -42,7 +44,6 @@ class OpRecorder(TorchDispatchMode):
         return out
 
     def report(self, model: torch.nn.Module) -> dict:
-        from torchmeg.float8 import is_float8_linear
         return {"matmul_dtypes": {k: sorted(v) for k, v in sorted(self.matmul.items())},
                 "dtypes_seen": sorted(self.seen),
                 "float8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_float8_linear(m))}

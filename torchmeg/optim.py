@@ -5,6 +5,7 @@ import math
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -37,8 +38,14 @@ def lr_factor(step: int, cfg) -> float:
     return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def build_lr_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
+def build_lr_scheduler(opt: torch.optim.Optimizer, cfg, step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """The recipe's schedule as it stands after `step` completed steps (0: a fresh run; a resume
+    passes the checkpoint's step). The schedule is a function of (recipe, step), so a resumed run
+    needs no scheduler state: every group's base rate is the recipe's lr, and LambdaLR, told the
+    last step taken, sets the rate of the next one."""
+    for g in opt.param_groups:
+        g["initial_lr"] = cfg.optimizer.lr
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg), last_epoch=step - 1)
 
 
 def grad_norm(params, extra_groups=()) -> torch.Tensor:
@@ -64,7 +71,6 @@ def grad_norm(params, extra_groups=()) -> torch.Tensor:
     if total_sq is None:
         total_sq = torch.zeros(())
     for pg in extra_groups:
-        import torch.distributed as dist
         dist.all_reduce(total_sq, group=pg)
     return total_sq.sqrt()
 

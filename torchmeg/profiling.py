@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule
 
 
 class StepProfiler:
@@ -34,7 +36,6 @@ class StepProfiler:
         self._step = 0
         if not self.enabled:
             return
-        from torch.profiler import ProfilerActivity, profile, schedule
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         active = p.active_steps
         sched = schedule(wait=p.profile_freq - active - 1, warmup=1, active=active, repeat=0)
@@ -65,7 +66,6 @@ class StepProfiler:
                     with open(base + ".memory_ops.txt", "w") as fh:
                         fh.write(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=40))
                     written.append("memory per operator")
-                    import warnings
                     with warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # deprecated in favour of a CUDA-only API
                         prof.export_memory_timeline(base + ".memory_timeline.html", device="cpu")

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 
 import torch
 import torch.distributed as dist
 
 from torchmeg import guard
+from torchmeg.features import device_type
 
 
 def pick_device(cfg) -> torch.device:
-    from torchmeg.features import device_type
     if device_type(cfg) == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
@@ -45,7 +46,6 @@ class StopFlag:
     """SIGTERM (pre-emption) sets a flag; ranks agree on it after each step, so all stop together."""
 
     def __init__(self):
-        import signal
         self.flag = False
         signal.signal(signal.SIGTERM, self._set)
 
@@ -74,5 +74,4 @@ def inject_kill(step: int, rank: int) -> None:
     if (os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step)
             and os.environ.get("TORCHMEG_TEST_KILL_RANK", "0") == str(rank)
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
-        import signal
         os.kill(os.getpid(), signal.SIGKILL)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 
+from torchmeg.errors import LossSpikeError
+
+__all__ = ["LossSpikeError", "MIN_HISTORY", "SpikeGuard", "batch_samples"]
+
 MIN_HISTORY = 10  # a median of fewer losses is noise; the first steps are never judged
-
-
-class LossSpikeError(RuntimeError):
-    """training.on_loss_spike = "stop" met a spike."""
 
 
 class SpikeGuard:

@@ -1,35 +1,17 @@
-"""Data: tokenizers, indexed stores, packed/blended datasets, the stateful loader."""
+"""Data: tokenizers (tokenizer.py), indexed .bin/.idx stores (store.py), where tokens come from
+(sources.py), packed / shuffled / blended samples (dataset.py), the stateful loader (loader.py).
+
+Public names resolve on first use (PEP 562), so importing one submodule loads only what it needs.
+"""
 from __future__ import annotations
 
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchmeg.data.dataset import StepSampler, TokenDataset
-from torchmeg.data.sources import dataset_list, resolve
-from torchmeg.data.store import Store
-from torchmeg.data.tokenizer import build_tokenizer  # noqa: F401
-
-
-def open_stores(cfg, tokenizer) -> list[Store]:
-    from torchmeg.config import ConfigError
-    from torchmeg.data.sources import BUILTIN
-    from torchmeg.data.store import StoreError
-    stores = []
-    for n in dataset_list(cfg):
-        try:
-            stores.append(Store(resolve(n, tokenizer, cfg)))
-        except StoreError as e:
-            fix = "; delete those files and the cache is rebuilt" if n in BUILTIN else ""
-            raise ConfigError(f"data.dataset = {n!r}: {e}{fix}") from None
-    return stores
-
-
-def build_dataset(cfg, stores, split: str) -> TokenDataset:
-    return TokenDataset(stores, cfg.data.weights, cfg.data.seq_len, cfg.job.seed, split, cfg.data.val_fraction)
-
-
-def build_loader(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int,
-                 num_workers: int = 0, sample_offset: int = 0) -> StatefulDataLoader:
-    """Batches of this dp rank, in step order; its state_dict() can be checkpointed."""
-    sampler = StepSampler(local_batch, dp, dp_rank, accum, start_step, steps, sample_offset)
-    return StatefulDataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
-                              drop_last=True, persistent_workers=num_workers > 0)
+def __getattr__(name: str):
+    # Each import below is lazy by design (see the docstring).
+    if name == "build_tokenizer":
+        from torchmeg.data.tokenizer import build_tokenizer
+        return build_tokenizer
+    if name in ("open_stores", "build_dataset", "build_loader"):
+        from torchmeg.data import loader
+        return getattr(loader, name)
+    raise AttributeError(f"module 'torchmeg.data' has no attribute {name!r}")

@@ -5,7 +5,11 @@ import os
 import sys
 import sysconfig
 
+import numpy as np
+
 from torchmeg.data import store as store_mod
+from torchmeg.data.tokenizer import build_tokenizer
+from torchmeg.errors import ConfigError, StoreError
 
 BUILTIN = ("python_stdlib",)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -38,7 +42,6 @@ def build_stdlib(tokenizer, cfg=None) -> str:
     prefix = _stdlib_prefix(tokenizer, cfg)
     if store_mod.exists(prefix):
         return prefix
-    import numpy as np
     writer = store_mod.StoreWriter(prefix + f".{os.getpid()}", tokenizer.vocab_size)
     files = stdlib_files()
     for i in range(0, len(files), 256):
@@ -72,8 +75,6 @@ def dataset_list(cfg) -> list[str]:
 
 def check_data_config(cfg) -> None:
     """Every dataset exists and matches the tokenizer; blend weights are consistent."""
-    from torchmeg.config import ConfigError
-    from torchmeg.data.tokenizer import build_tokenizer
     tok = build_tokenizer(cfg.data.tokenizer)
     names = dataset_list(cfg)
     if not names or not all(isinstance(n, str) and n for n in names):
@@ -92,7 +93,7 @@ def check_data_config(cfg) -> None:
                               f"tools/preprocess_data.py or use \"python_stdlib\"")
         try:
             s = store_mod.Store(prefix)
-        except store_mod.StoreError as e:
+        except StoreError as e:
             raise ConfigError(f"data.dataset = {n!r}: {e}") from None
         if s.vocab_size != tok.vocab_size:
             raise ConfigError(f"data.dataset = {n!r}: written with a {s.vocab_size}-token tokenizer but data.tokenizer "

@@ -11,6 +11,8 @@ import struct
 
 import numpy as np
 
+from torchmeg.errors import StoreError
+
 MAGIC = b"TMIDX1\0\0"
 _DTYPES = {1: np.uint16, 2: np.uint32}
 _HEADER = struct.Struct("<8sB7xqq")
@@ -18,10 +20,6 @@ _HEADER = struct.Struct("<8sB7xqq")
 
 def dtype_for(vocab_size: int):
     return np.uint16 if vocab_size <= 65536 else np.uint32
-
-
-class StoreError(ValueError):
-    """A store on disk is damaged or not a store; the message is one line naming the file."""
 
 
 class StoreWriter:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from torchmeg.errors import ConfigError
 
 
 class ByteTokenizer:
@@ -31,7 +35,6 @@ class HFTokenizer:
     """A `tokenizer.json` (BPE, WordPiece, ...) loaded with the `tokenizers` library."""
 
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
         self.path = path
         self.tok = Tokenizer.from_file(path)
         self.name = os.path.basename(path)
@@ -60,14 +63,12 @@ class HFTokenizer:
         return self.tok.decode([int(i) for i in ids if int(i) < self.tok.get_vocab_size()])
 
     def fingerprint(self) -> str:
-        import hashlib
         with open(self.path, "rb") as fh:
             return "hf-" + hashlib.sha1(fh.read()).hexdigest()[:16]
 
 
 def build_tokenizer(spec: str):
     """`"byte"` or a path to a tokenizer.json."""
-    from torchmeg.config import ConfigError
     if spec == "byte":
         return ByteTokenizer()
     if not os.path.isfile(spec):
@@ -87,7 +88,6 @@ def _load_hf(path: str, mtime: float) -> HFTokenizer:  # mtime: a rewritten file
 
 def train_bpe(texts, vocab_size: int, out_path: str) -> HFTokenizer:
     """Train a byte-level BPE tokenizer.json on an iterable of texts with the `tokenizers` library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

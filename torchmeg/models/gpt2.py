@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchmeg.models.init import Constant, Normal
-
-from torchmeg.models.llama import causal_attention
+from torchmeg.models.llama import DECODER_TP, causal_attention
 
 
 @dataclass
@@ -117,3 +116,21 @@ class GPT2(nn.Module):
             h = layer(h)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+# ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------
+
+_GPT2_VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT does
+FLAVORS = {
+    "debug": dict(dim=128, n_layers=4, n_heads=4, max_seq_len=1024),
+    "124M": dict(dim=768, n_layers=12, n_heads=12, vocab_size=_GPT2_VOCAB),
+    "350M": dict(dim=1024, n_layers=24, n_heads=16, vocab_size=_GPT2_VOCAB),
+    "774M": dict(dim=1280, n_layers=36, n_heads=20, vocab_size=_GPT2_VOCAB),
+    "1.5B": dict(dim=1600, n_layers=48, n_heads=25, vocab_size=_GPT2_VOCAB),
+}
+
+# Llama's decoder plan without the gate projection w3. Learned positions are added to the
+# embedding output outside any module, so the embedding stays replicated and the first block
+# re-shards the sequence.
+TP_PLAN = ([("tok_embeddings", "embedding_replicate"), ("layers.0", "sp_enter")]
+           + [e for e in DECODER_TP if not e[0].endswith(".w3")])

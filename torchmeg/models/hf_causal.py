@@ -26,6 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from torchmeg.config import coerce
+from torchmeg.errors import ConfigError
+from torchmeg.models.blocks import find_blocks
+
 
 @dataclass
 class HFArgs:
@@ -46,7 +50,6 @@ class HFArgs:
 
 def config_path(path: str) -> str:
     """`model.hf_config` -> the config.json it names (a file, or a directory holding one)."""
-    from torchmeg.config import ConfigError
     if not path:
         raise ConfigError("model.name = 'hf' needs model.hf_config: a Hugging Face config.json or a directory "
                           "holding one (e.g. a downloaded model folder)")
@@ -57,12 +60,10 @@ def config_path(path: str) -> str:
     return p
 
 
-def load_config(path: str, overrides: dict, tokenizer_vocab: int | None = None):
+def load_config(path: str, overrides: dict, padded_vocab: int | None = None):
     """The transformers config of `path` with [model] overrides applied (any config field; vocab_size
-    -1 = the tokenizer's vocabulary padded to 64, as for torchmeg's own models)."""
-    from transformers import AutoConfig
-
-    from torchmeg.config import ConfigError, coerce
+    -1 = `padded_vocab`, the tokenizer's vocabulary padded as for torchmeg's own models)."""
+    from transformers import AutoConfig  # lazy: transformers is heavy and only `hf` models need it
     p = config_path(path)
     try:
         with open(p) as fh:
@@ -94,16 +95,14 @@ def load_config(path: str, overrides: dict, tokenizer_vocab: int | None = None):
             value = coerce(f"model.{key}", value, float)
         setattr(config, key, value)
     if getattr(config, "vocab_size", None) == -1:
-        if tokenizer_vocab is None:
+        if padded_vocab is None:
             raise ConfigError("model.vocab_size = -1 needs a tokenizer to size the vocabulary")
-        from torchmeg.models import pad_vocab
-        config.vocab_size = pad_vocab(tokenizer_vocab)
+        config.vocab_size = padded_vocab
     config.use_cache = False
     return config
 
 
 def args_from_config(config) -> HFArgs:
-    from torchmeg.config import ConfigError
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
         n_heads = text.num_attention_heads
@@ -128,7 +127,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, args: HFArgs):
         super().__init__()
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: see load_config
         self.args = args
         self.config = args.config
         try:
@@ -136,7 +135,6 @@ class HFCausalLM(nn.Module):
         except ValueError as e:
             if "attention implementation" not in str(e):
                 raise
-            from torchmeg.config import ConfigError
             raise ConfigError(f"model.hf_attn_implementation = {args.attn_implementation!r}: {args.model_type} does "
                               f"not support it in transformers; set model.hf_attn_implementation = \"eager\"") from None
         prefix = hf.base_model_prefix
@@ -199,7 +197,6 @@ class HFCausalLM(nn.Module):
         """The HF plan plus sequence-parallel roles found in the module tree: the norms that are
         direct children of a block or of the base model run on sequence shards, and a block child
         holding column-parallel projections (attention, MLP) gathers its input first."""
-        from torchmeg.models.blocks import find_blocks
         plan = tp_plan_from_hf(self.config, self.base_prefix, self.embed_fqn)
         path, container = find_blocks(self)
         if container is None:

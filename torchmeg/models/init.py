@@ -13,13 +13,19 @@ step is an elementwise torch op, so it runs on the parameter's own device; ndtri
 element (no vectorisation-dependent rounding; checked), so how the block is cut into chunks never
 changes a value.
 
-Models say *what* each parameter gets with `init_rule(fqn)`: `Normal(std)` or `Constant(value)`.
+Models say *what* each parameter gets with `init_rule(fqn)`: `Normal(std)` or `Constant(value)`;
+`init_weights` / `materialize` apply the rules to a model, each rank to its own blocks.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from torch import nn
+
+from torchmeg.models.tying import retie, tied_pairs
 
 
 @dataclass(frozen=True)
@@ -117,3 +123,63 @@ def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch
                 vals.mul_(rule.std).add_(rule.mean)
             rows[r0:r1, c0:c1].copy_(vals.view(r1 - r0, c1 - c0))
     return out
+
+
+# ---- applying the rules to a model ------------------------------------------------------------
+
+def param_seed(seed: int, fqn: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 63)
+
+
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The model's own name for a parameter, without compile/recompute/FSDP wrapper components."""
+    return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)
+
+
+def init_weights(model: nn.Module, seed: int, block: Callable | None = None) -> None:
+    """Initialise every parameter from (seed, FQN) alone, so any layout gets identical weights.
+
+    `block(param) -> (local tensor, offset)` (given by the parallel code) names the block of the
+    full parameter this rank holds; default: all of it. A model with `init_rule(fqn)` (Normal /
+    Constant) gets only that block computed, element by element from its index in the full tensor:
+    no rank ever draws a whole sharded parameter. A model with only `param_init(fqn, full,
+    generator)` (a rule torch's generators run, e.g. a Hugging Face model's `_init_weights`) gets
+    the full tensor drawn on the CPU and its block copied. Tied parameters are initialised once,
+    under their first name.
+    """
+    seen = set()
+    with torch.no_grad():
+        for fqn, p in model.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            fqn = canonical_fqn(fqn)
+            local, offset = block(p) if block is not None else (p, (0,) * p.dim())
+            rule = model.init_rule(fqn) if hasattr(model, "init_rule") else None
+            if rule is not None:
+                fill_block_(local, rule, param_seed(seed, fqn), p.shape, offset)
+                continue
+            full = torch.empty(p.shape, dtype=torch.float32)
+            model.param_init(fqn, full, torch.Generator().manual_seed(param_seed(seed, fqn)))
+            local.copy_(full[tuple(slice(o, o + n) for o, n in zip(offset, local.shape))])
+        if hasattr(model, "init_buffers"):
+            model.init_buffers()
+
+
+def materialize(model: nn.Module, device, seed: int | None, block: Callable | None = None) -> nn.Module:
+    """Meta model -> real storage on `device`, initialised from (seed, FQN); ties survive.
+    seed None: storage only (the planner's fake tensors hold no values to initialise).
+
+    (`to_empty` off the meta device makes a new Parameter per module, silently untying weights.)
+    """
+    pairs = tied_pairs(model)
+    model.to_empty(device=device)
+    retie(model, pairs)
+    if seed is not None:
+        init_weights(model, seed, block=block)
+    elif hasattr(model, "init_buffers"):
+        model.init_buffers()
+    return model

@@ -180,3 +180,41 @@ class Llama(nn.Module):
             h = layer(h, self.rope_cos, self.rope_sin, positions=positions)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+# ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------
+
+_LLAMA3_VOCAB = 128256
+FLAVORS = {
+    "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, rope_theta=10000.0,
+                  max_seq_len=2048),
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+               vocab_size=_LLAMA3_VOCAB, tie_embeddings=True, max_seq_len=131072),
+    "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+               vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+    "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+    "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                 vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+}
+
+# Shared shape of the decoder plans (GPT-2 and MoE reuse it): vocab-sharded embedding,
+# column-parallel q/k/v and up projections, row-parallel out/down projections (Megatron-LM,
+# Shoeybi et al. 2019, sec. 3), sequence-parallel norms (Korthikanti et al. 2022) and a
+# vocab-parallel output.
+DECODER_TP = [
+    ("layers.*.attention_norm", "sp_norm"),
+    ("layers.*.attention", "sp_input"),
+    ("layers.*.attention.wq", "colwise"),
+    ("layers.*.attention.wk", "colwise"),
+    ("layers.*.attention.wv", "colwise"),
+    ("layers.*.attention.wo", "rowwise"),
+    ("layers.*.ffn_norm", "sp_norm"),
+    ("layers.*.feed_forward", "sp_input"),
+    ("layers.*.feed_forward.w1", "colwise"),
+    ("layers.*.feed_forward.w2", "rowwise"),
+    ("layers.*.feed_forward.w3", "colwise"),
+    ("norm", "sp_norm"),
+    ("output", "output"),
+]
+TP_PLAN = [("tok_embeddings", "embedding")] + DECODER_TP

@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchmeg.models.init import Normal
-
-from torchmeg.models.llama import Attention, FeedForward, Llama, LlamaArgs, RMSNorm
+from torchmeg.models.llama import DECODER_TP, Attention, FeedForward, Llama, LlamaArgs, RMSNorm
 
 
 @dataclass
@@ -179,3 +178,27 @@ class MoETransformer(Llama):
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
+
+
+# ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------
+
+FLAVORS = {
+    # CPU-sized: 8 experts, top-2, one shared expert, aux-loss-free balancing (DeepSeek-V3 style;
+    # its bias step is 10x DeepSeek's 1e-3 so balance shows within a 150-step run).
+    "debug": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, multiple_of=64, rope_theta=10000.0,
+                  max_seq_len=2048, n_experts=8, top_k=2, moe_hidden=128, n_shared_experts=1,
+                  score_func="sigmoid", balance="bias", bias_update_rate=0.01, n_dense_layers=1),
+    "mixtral-8x7B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000, rope_theta=1e6,
+                         max_seq_len=32768, n_experts=8, top_k=2, moe_hidden=14336, score_func="softmax",
+                         balance="aux_loss", aux_loss_coef=0.02, multiple_of=1024, ffn_dim_multiplier=1.3),
+    # DeepSeek-V3's MoE shape (256 routed + 1 shared expert, top-8, sigmoid scores, aux-loss-free,
+    # 3 dense layers) on GQA attention — torchmeg has no MLA, hence "-like".
+    "deepseek-v3-like": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                             rope_theta=10000.0, max_seq_len=163840, n_experts=256, top_k=8, moe_hidden=2048,
+                             n_shared_experts=1, score_func="sigmoid", balance="bias", n_dense_layers=3,
+                             multiple_of=256, ffn_dim_multiplier=3.86),
+}
+
+# Attention and dense FFNs as in Llama; the routed block's input is gathered and its output
+# re-sharded, so experts stay whole on every TP rank (their parallelism is EP).
+TP_PLAN = [("tok_embeddings", "embedding")] + DECODER_TP + [("layers.*.moe", "sp_replicated")]

@@ -33,6 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import (all_gather_tensor, all_to_all_single_autograd,
+                                                       reduce_scatter_tensor)
+
+from torchmeg.errors import ConfigError
 
 MODES = ("allgather", "ring", "alltoall")
 
@@ -134,13 +138,11 @@ class _Peers:
 
 def _all_gather(x, group, size):
     """[...] -> [size, ...] (functional collective: visible to CommDebugMode and the compiler)."""
-    from torch.distributed._functional_collectives import all_gather_tensor
     out = all_gather_tensor(x.contiguous(), 0, group)
     return out.wait() if hasattr(out, "wait") else out.view((size,) + tuple(x.shape))
 
 
 def _reduce_scatter(x_all, group):
-    from torch.distributed._functional_collectives import reduce_scatter_tensor
     size = x_all.shape[0]
     flat = x_all.contiguous().view((size * x_all.shape[1],) + tuple(x_all.shape[2:]))
     out = reduce_scatter_tensor(flat, "sum", 0, group)
@@ -279,7 +281,6 @@ class UlyssesAttention:
 
     def _to_heads(self, x_BHLD):
         """[B, h, L/cp, D] sequence shard -> [B, h/cp, L, D] head shard, chunks in sequence order."""
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         B, h, Ll, D = x_BHLD.shape
         cp = self.size
         x = x_BHLD.reshape(B, cp, h // cp, Ll, D).permute(1, 0, 2, 3, 4).contiguous()  # [cp(dest), B, h/cp, Ll, D]
@@ -288,7 +289,6 @@ class UlyssesAttention:
         return chunks[:, :, self.order].reshape(B, h // cp, cp * Ll, D)
 
     def _to_sequence(self, x_BhLD):
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         B, hc, L, D = x_BhLD.shape
         cp = self.size
         chunks = x_BhLD.reshape(B, hc, 2 * cp, L // (2 * cp), D)[:, :, self.inverse]
@@ -325,8 +325,15 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
     return n
 
 
+def check_model_has_attention(model_name: str, has_sdpa: bool, cp: int) -> None:
+    """Context parallel swaps the `sdpa` kernel of torchmeg's attention modules; a model whose
+    registry entry says it has none cannot take it."""
+    if not has_sdpa and cp > 1:
+        raise ConfigError(f"parallelism.context_parallel_degree = {cp}: context parallel swaps torchmeg's own "
+                          f"attention module; model.name = {model_name!r} has none")
+
+
 def check(cfg, args, dims) -> None:
-    from torchmeg.config import ConfigError
     cp, tp = dims.cp, dims.tp
     mode = cfg.parallelism.context_parallel_mode
     unit = 2 * cp * (tp if tp > 1 and cfg.parallelism.sequence_parallel else 1)

@@ -9,12 +9,22 @@ With expert parallel, a second mesh over the same ranks splits dp_shard x cp int
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+
+from torch.distributed.device_mesh import init_device_mesh
+
+from torchmeg.errors import ConfigError
 
 NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
+# torch 2.13 announces a deprecation each time a flattened dim (dp, dp_cp, ...) is sliced from the
+# root mesh, which every layout here does; harmless, and it would bury the log (and the one-line
+# errors the CLIs promise).
+warnings.filterwarnings("ignore", message=".*Slicing a flattened dim.*")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ParallelDims:
     dp_replicate: int
     dp_shard: int
@@ -26,7 +36,6 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "ParallelDims":
-        from torchmeg.config import ConfigError
         p = cfg.parallelism
         fixed = p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree \
             * p.pipeline_parallel_degree
@@ -59,18 +68,13 @@ class ParallelDims:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(self, n) > 1]
         return f"world {self.world_size}: " + (", ".join(parts) if parts else "single device")
 
-    def check_model(self, args, cfg) -> None:
-        """Degrees that must divide model sizes."""
-        from torchmeg.config import ConfigError
-        if self.pp > 1:
-            from torchmeg.parallel.pipeline import check
-            check(cfg, args, self.pp)
-        if self.cp > 1:
-            from torchmeg.parallel.context import check as check_cp
-            check_cp(cfg, args, self)
-        if self.ep > 1:
-            from torchmeg.parallel.expert import check as check_ep
-            check_ep(cfg, args, self)
+    def uses_loss_parallel(self, p) -> bool:
+        """Cross entropy on vocab-sharded logits (parallelism.loss_parallel under TP). Under PP the
+        last stage's logits feed the schedule's loss, which takes them gathered."""
+        return self.tp > 1 and p.loss_parallel and self.pp == 1
+
+    def check_tp(self, args, cfg) -> None:
+        """Tensor (and sequence) parallel degrees against the model's sizes."""
         tp = self.tp
         if tp > 1:
             for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.kv_heads),
@@ -88,16 +92,18 @@ class ParallelDims:
             raise ConfigError("parallelism.enable_async_tensor_parallel = true: needs tensor_parallel_degree > 1")
 
     def build_mesh(self, device_type: str):
-        from torch.distributed.device_mesh import init_device_mesh
+        """The mesh over every rank, dims named as in NAMES, with the flattened views above."""
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
                                 mesh_dim_names=NAMES)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        self.ep_mesh = None
-        if self.ep > 1:
-            # The same ranks with dp_shard x cp regrouped as (efsdp, ep), ep innermost.
-            self.ep_mesh = init_device_mesh(
-                device_type, (self.pp, self.dp_replicate, self.fsdp // self.ep, self.ep, self.tp),
-                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
         return mesh
+
+    def build_ep_mesh(self, device_type: str):
+        """Expert parallel: the same ranks with dp_shard x cp regrouped as (efsdp, ep), ep innermost;
+        None without EP."""
+        if self.ep == 1:
+            return None
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.fsdp // self.ep, self.ep, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))

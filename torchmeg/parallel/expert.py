@@ -19,8 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchmeg.errors import ConfigError
 from torchmeg.models.moe import expert_ffn, is_grouped_experts
 
 
@@ -31,7 +33,6 @@ class AllToAllDispatch:
         self.local = n_experts // self.ep
 
     def __call__(self, experts: nn.Module, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
         ep, El = self.ep, self.local
         counts = counts_E.to(torch.int64)
         recv_counts = torch.empty_like(counts)
@@ -67,7 +68,6 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check(cfg, args, dims) -> None:
-    from torchmeg.config import ConfigError
     ep = dims.ep
     key = f"parallelism.expert_parallel_degree = {ep}"
     if not hasattr(args, "n_experts"):

@@ -12,71 +12,79 @@ model into stages first; each stage then goes through this pass.
 """
 from __future__ import annotations
 
+import torch._inductor.config as inductor_config
 from torch import nn
+from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
+from torchmeg.compile import compile_blocks, setup
 from torchmeg.features import device_type
+from torchmeg.float8 import apply_float8, is_float8_linear
+from torchmeg.models.blocks import find_blocks
+from torchmeg.parallel.context import apply_cp
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
 from torchmeg.parallel.dims import ParallelDims
+from torchmeg.parallel.expert import apply_ep
+from torchmeg.parallel.pipeline import SPLIT_BACKWARD
 from torchmeg.parallel.tensor import apply_tp, unmatched_patterns
+from torchmeg.recompute import apply_recompute
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None, blocks: str | None = None) -> nn.Module:
+def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None, blocks: str | None = None,
+                ep_mesh=None, plan_must_match: bool = True) -> nn.Module:
     """Apply every enabled parallelism to `model` in place and return it.
 
-    `mesh` defaults to `dims.build_mesh(...)`; `tp_plan` defaults to the registry entry of
-    `cfg.model.name` (a list of (FQN pattern, role); see torchmeg.parallel.tensor); `blocks` names
-    the container of the model's repeated blocks (default: recipe key model.blocks, else found:
-    torchmeg.models.blocks). What was done is in `model.torchmeg_report` (a dict) and
+    `mesh` / `ep_mesh` default to `dims.build_mesh(...)` / `dims.build_ep_mesh(...)`; `tp_plan`
+    is a list of (FQN pattern, role) (see torchmeg.parallel.tensor), needed when tensor parallel is
+    on: the trainer passes its registry entry's (`torchmeg.models.spec_tp_plan`), a model with a
+    `tp_plan()` method (Hugging Face models) gives its own. A pattern matching no module is an error unless
+    `plan_must_match` is False (a registry plan serves every flavor of a model, e.g. MoE with and
+    without dense layers) or the model is a pipeline stage (it lacks other stages' modules).
+    `blocks` names the container of the model's repeated blocks (default: recipe key model.blocks,
+    else found: torchmeg.models.blocks). What was done is in `model.torchmeg_report` (a dict) and
     `describe_report()`; nothing enabled is ever silently skipped.
     """
-    from torchmeg.models.blocks import find_blocks
     device = device_type(cfg)
     if mesh is None:
         mesh = dims.build_mesh(device)
+    if ep_mesh is None:
+        ep_mesh = dims.build_ep_mesh(device)
     p = cfg.parallelism
     path, container = find_blocks(model, cfg.model.blocks if blocks is None else blocks)
     report = {"blocks": path, "n_blocks": len(container) if container is not None else 0}
     float8_tp = False
     if cfg.float8.enable:
-        from torchmeg.float8 import apply_float8, is_float8_linear
         converted = apply_float8(model, cfg.float8, device)
         report["float8_linears"] = sum(1 for m in model.modules() if is_float8_linear(m))
         # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
         # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
         float8_tp = converted and cfg.float8.recipe == "tensorwise" and device == "cuda"
     if dims.tp > 1:
-        # A plan the caller wrote must match the model; a registry plan serves every flavor of a
-        # model (e.g. MoE with and without dense layers), so an entry may legitimately match none.
-        strict = tp_plan is not None and dims.pp == 1
+        if tp_plan is None and callable(getattr(model, "tp_plan", None)):
+            tp_plan = model.tp_plan()
         if tp_plan is None:
-            from torchmeg.models import get_spec, spec_tp_plan
-            spec = get_spec(cfg.model.name)
-            tp_plan = spec_tp_plan(spec, model)
-            strict = callable(spec.tp_plan) and dims.pp == 1  # derived from this very model: all must match
+            raise ValueError(f"parallelism.tensor_parallel_degree = {dims.tp}: parallelize() needs tp_plan=[(FQN "
+                             f"pattern, role), ...] (roles: torchmeg.parallel.tensor); for a registered model: "
+                             f"torchmeg.models.spec_tp_plan(torchmeg.models.get_spec(name), model)")
         # Under PP the last stage's logits feed the schedule's loss: keep them gathered.
         # A model may decline SP (e.g. a Hugging Face model with eager attention builds its mask
         # from the local sequence length): it then runs plain TP, and the report says so.
         sp = p.sequence_parallel and getattr(model, "supports_sequence_parallel", True)
         if p.sequence_parallel and not sp:
             report["sp_off"] = getattr(model, "sequence_parallel_note", "not supported by the model")
-        matched = apply_tp(model, mesh["tp"], tp_plan, sp, p.loss_parallel and dims.pp == 1, float8_tp)
-        unmatched_patterns(matched, strict)
+        matched = apply_tp(model, mesh["tp"], tp_plan, sp, dims.uses_loss_parallel(p), float8_tp)
+        unmatched_patterns(matched, strict=plan_must_match and dims.pp == 1)
         report["tp_plan"] = matched
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp > 1:
-        from torchmeg.parallel.context import apply_cp
         report["cp_attention"] = apply_cp(model, mesh["cp"], p.context_parallel_mode)
     expert_mesh = None
     if dims.ep > 1:
-        from torchmeg.parallel.expert import apply_ep
-        apply_ep(model, dims.ep_mesh["ep"])
-        expert_mesh = dims.ep_mesh["efsdp"]
+        apply_ep(model, ep_mesh["ep"])
+        expert_mesh = ep_mesh["efsdp"]
     if cfg.activation_checkpoint.mode != "none":
-        from torchmeg.recompute import apply_recompute
         report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:
-        from torchmeg.compile import compile_blocks, setup
         setup(cfg.compile.cache_dir)
         report["compiled_blocks"] = compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1, blocks_path=path)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
@@ -117,7 +125,6 @@ def _reshard_after_forward(cfg, dims: ParallelDims) -> bool:
     pass (I), and with resharded weights the W gradients of sharded parameters come out wrong
     (grad norm 13.4 instead of 17.7 at PP2 x FSDP2 ZBVZeroBubble, torch 2.13; measured). Keeping
     the weights gathered from forward to W makes them exact (tested)."""
-    from torchmeg.parallel.pipeline import SPLIT_BACKWARD
     p = cfg.parallelism
     if dims.pp > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD:
         return False
@@ -127,7 +134,5 @@ def _reshard_after_forward(cfg, dims: ParallelDims) -> bool:
 def _enable_async_tp(tp_mesh) -> None:
     """Inductor's micro-pipelined TP: overlaps the TP all-gather/reduce-scatter with matmuls
     (CUDA only: needs symmetric memory). Validation refuses it elsewhere."""
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -12,9 +12,14 @@ Stage placement: looped schedules give rank r stages r, r+pp, ...; V schedules g
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as S
+
+from torchmeg.errors import ConfigError
 
 SINGLE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -25,7 +30,6 @@ SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 def plan_stages(cfg, n_layers: int, pp: int) -> tuple[int, list[int]]:
     """(stages per rank, layers of each stage) from the recipe; one-line errors for bad splits."""
-    from torchmeg.config import ConfigError
     p = cfg.parallelism
     sched, lps = p.pipeline_parallel_schedule, p.pipeline_parallel_layers_per_stage
     key = "parallelism.pipeline_parallel_layers_per_stage"
@@ -73,7 +77,6 @@ def _uneven_example(n_layers: int, stages: int) -> list[int]:
 
 def microbatches(cfg, pp: int, v: int, accum: int) -> int:
     """Microbatches per schedule step (the step covers local_batch x accum sequences)."""
-    from torchmeg.config import ConfigError
     p, t = cfg.parallelism, cfg.training
     n = p.pipeline_parallel_microbatches
     n = pp * v if n == -1 else n
@@ -86,8 +89,15 @@ def microbatches(cfg, pp: int, v: int, accum: int) -> int:
     return n * accum
 
 
+def check_splittable(model_name: str, splittable: bool, pp: int) -> None:
+    """A model whose registry entry says its module tree cannot be cut into stages."""
+    if not splittable and pp > 1:
+        raise ConfigError(f"parallelism.pipeline_parallel_degree = {pp}: model.name = {model_name!r} cannot be "
+                          f"split into pipeline stages (its base model runs embedding, layers and norm in one "
+                          f"forward); use TP / FSDP / HSDP instead")
+
+
 def check(cfg, args, pp: int) -> None:
-    from torchmeg.config import ConfigError
     if getattr(args, "tie_embeddings", False):
         raise ConfigError("model.tie_embeddings = true: the embedding (first stage) and output (last stage) cannot "
                           "share a weight under pipeline parallelism; set it to false")
@@ -139,12 +149,10 @@ class StageUnion(nn.Module):
 
 
 def build_schedule(parts, ids, n_stages: int, device: torch.device, pp_group, n_micro: int, loss_fn, schedule: str):
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import get_schedule_class
     stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, ids)]
     for stage in stages:
         _track(stage)
-    cls = get_schedule_class(schedule)
+    cls = S.get_schedule_class(schedule)
     # scale_grads: gradients are divided by the microbatch count, matching a per-microbatch mean loss.
     if schedule in SINGLE:
         return Pipeline(cls(stages[0], n_microbatches=n_micro, loss_fn=loss_fn, scale_grads=True))
@@ -180,7 +188,6 @@ class Pipeline:
 
 
 def _forward_only_order(schedule):
-    from torch.distributed.pipelining import schedules as S
     if not isinstance(schedule, S._PipelineScheduleRuntime):
         return None  # single-stage schedules evaluate correctly on their own
     to_rank = schedule.stage_index_to_group_rank
@@ -198,7 +205,6 @@ _INFLIGHT = {"action": None, "t0": 0.0, "done": True}
 
 def _track(stage) -> None:
     """Record every compute action of `stage` (forward, backward, weight-grad) as it starts/ends."""
-    import time
     for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
         fn = getattr(stage, method)
 
@@ -213,7 +219,6 @@ def _track(stage) -> None:
 
 
 def describe_inflight() -> str:
-    import time
     a = _INFLIGHT
     if a["action"] is None:
         return "pipeline: no action started yet"

@@ -9,7 +9,10 @@ each. Used by tools/pipeline_schedule.py (timelines) and the planner (bubble, ac
 """
 from __future__ import annotations
 
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
 DUR = {"F": 1, "B": 2, "I": 1, "W": 1}
+
 
 def one_f_one_b(pp: int, m: int):
     """Schedule1F1B's order as its _step_microbatches runs it: rank r does p-1-r warm-up forwards,
@@ -34,7 +37,6 @@ def one_f_one_b(pp: int, m: int):
 def torch_actions(schedule: str, pp: int, m: int, v: int | None):
     if schedule == "1F1B":
         return one_f_one_b(pp, m)
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
     ops = get_schedule_ops(schedule, pp, m, num_stages_per_rank=v)
     names = {"FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W", "FORWARD": "F"}
     out = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def local_block(param) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -12,7 +13,6 @@ def local_block(param) -> tuple[torch.Tensor, tuple[int, ...]]:
     """
     if not hasattr(param, "device_mesh"):
         return param, (0,) * param.dim()
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     local = param.to_local()
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if tuple(shape) != tuple(local.shape):

@@ -23,15 +23,15 @@ from __future__ import annotations
 
 import inspect
 
-from torch import nn
-
 import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from torchmeg.models import get_param_owner, retie, tied_pairs
+from torchmeg.float8 import is_float8_linear
+from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_replicated", "colwise", "rowwise",
          "output", "replicate_grad_allreduce")
@@ -78,8 +78,6 @@ class _ReplicateGradAllReduce(ParallelStyle):
     over the last dim is); the output leaves as the plain local tensor it came in as."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
-
         def input_fn(mod, inputs, mesh):
             return tuple(DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
@@ -91,6 +89,7 @@ class _ReplicateGradAllReduce(ParallelStyle):
 
 
 def _float8_styles():
+    # lazy: torchao is imported only where float8 is on (its import costs ~1 s and registers pytree nodes)
     from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
                                                        PrepareFloat8ModuleInput)
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -105,7 +104,6 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
     seq = Shard(1) if sp else Replicate()
     f8 = False
     if float8_tp:
-        from torchmeg.float8 import is_float8_linear
         linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
         f8 = bool(linears) and all(is_float8_linear(m) for m in linears)
     Col, Row, Prep = _float8_styles() if f8 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
@@ -131,7 +129,6 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return None
     if role == "sp_replicated":
         # Whole-sequence module run redundantly on every TP rank (e.g. MoE experts, parallelised by EP).
-        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
         return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                         use_local_input=True, output_layouts=(Replicate(),),
                                         desired_output_layouts=(Shard(1),), use_local_output=True)

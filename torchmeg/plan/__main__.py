@@ -15,11 +15,16 @@ the numbers the plan predicts, taken from a real run (tests compare the two).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
-import time
+
+from torchmeg.config import load_config
+from torchmeg.errors import ConfigError
+from torchmeg.plan.gpus import GPUS
+from torchmeg.plan.measure import measure_main
+from torchmeg.plan.planner import plan, recipe_world
+from torchmeg.plan.search import search
 
 GIB = 2 ** 30
 
@@ -36,73 +41,6 @@ def parse(argv):
     ap.add_argument("--json", default=None, help="write the plan as JSON here")
     ap.add_argument("--measure", action="store_true", help="(under torchrun) measure the real trainer's step 2")
     return ap.parse_known_args(argv)
-
-
-def recipe_world(cfg) -> int:
-    """The world a recipe's layout implies: its fixed degrees times data_parallel_shard_degree
-    (which must then be given), or plan.world_size."""
-    from torchmeg.config import ConfigError
-    p = cfg.parallelism
-    if cfg.plan.world_size > 0:
-        return cfg.plan.world_size
-    if p.data_parallel_shard_degree == -1:
-        raise ConfigError("parallelism.data_parallel_shard_degree = -1: the world comes from the launcher; give "
-                          "--world N to plan (or plan.world_size in the recipe)")
-    return (p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.context_parallel_degree
-            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
-
-
-def plan(cfg, world: int, gpu_name: str, isolate: bool = False) -> dict:
-    """Validate (model, layout, batch; no data needed), dry-run, predict. -> the plan as a dict."""
-    from torchmeg.config import ConfigError, validate
-    from torchmeg.models import active_params, build_model, check_model_config, count_params, flops_per_token
-    from torchmeg.parallel import ParallelDims
-    from torchmeg.plan.dry_run import activation_bytes, dry_run
-    from torchmeg.plan.gpus import GPUS
-    from torchmeg.plan.predict import predict
-    validate(cfg, world, data=False)
-    args = check_model_config(cfg, tokenizer=False)
-    dims = ParallelDims.from_config(cfg, world)
-    whole = build_model(cfg, args.vocab_size, "meta")
-    t = cfg.training
-    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    global_tokens = t.local_batch_size * dims.dp * accum * cfg.data.seq_len
-    model_flops = flops_per_token(whole, args, cfg.data.seq_len) * global_tokens / world
-    gpu = GPUS[gpu_name]
-    t0 = time.perf_counter()
-    try:
-        ranks = dry_run(copy.deepcopy(cfg), world, args.vocab_size, isolate)
-    except Exception as e:  # noqa: BLE001 - fake tensors cannot follow data-dependent shapes
-        if type(e).__name__ not in ("DynamicOutputShapeException", "DataDependentOutputException"):
-            raise
-        op = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        if dims.ep > 1:
-            raise ConfigError(f"parallelism.expert_parallel_degree = {dims.ep}: expert parallel exchanges token "
-                              f"counts whose values set the shapes ({op}), which a fake-tensor dry run cannot "
-                              f"follow; plan with expert_parallel_degree = 1 (routing assumed balanced)") from None
-        raise ConfigError(f"model.name = {cfg.model.name!r}: its forward has shapes that depend on the data ({op}), "
-                          f"which a fake-tensor dry run cannot follow; this model cannot be planned yet") from None
-    wall = time.perf_counter() - t0
-    rows = []
-    for r in ranks:
-        pred = predict(r, cfg, dims, gpu, model_flops)
-        mem = r["memory"]
-        rows.append({
-            "rank": r["rank"], "pp_rank": r["pp_rank"], "stages": r["stages"], "parallel": r["report"],
-            "model_state_bytes": r["model_state_bytes"],
-            "param_bytes": mem.get("Parameter", 0), "grad_bytes": mem.get("Gradient", 0),
-            "optimizer_bytes": mem.get("Optstate", 0), "buffer_bytes": mem.get("Buffer", 0),
-            "activation_bytes": activation_bytes(mem), "peak_bytes": mem.get("Total", 0),
-            "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"), **pred})
-    step = max(x["step_s"] for x in rows)
-    return {"recipe": cfg.job.name, "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": count_params(whole),
-            "active_params": active_params(whole), "world": world, "layout": dims.describe(), "gpu": gpu.name,
-            "gpu_memory_bytes": gpu.hbm_bytes, "precision": t.mixed_precision,
-            "recompute": cfg.activation_checkpoint.mode, "seq_len": cfg.data.seq_len,
-            "global_batch_tokens": global_tokens, "model_flops_per_rank": model_flops,
-            "step_s": step, "tokens_per_s_per_gpu": global_tokens / world / step,
-            "mfu": min(x["mfu"] for x in rows), "fits": all(x["fits"] for x in rows),
-            "dry_run_s": wall, "ranks": rows}
 
 
 def _g(b: float) -> str:
@@ -142,20 +80,16 @@ def render(p: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from torchmeg.config import ConfigError, load_config
     a, rest = parse(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(a.config, rest)
         if a.measure:
-            from torchmeg.plan.measure import measure_main
             return measure_main(cfg, a.json)
         world = a.world or recipe_world(cfg)
         gpu = (a.gpu or cfg.plan.gpu).lower()
-        from torchmeg.plan.gpus import GPUS
         if gpu not in GPUS:
             raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)}")
         if a.search:
-            from torchmeg.plan.search import search
             result = search(cfg, world, gpu, a.top, a.limit)
         else:
             result = plan(cfg, world, gpu)

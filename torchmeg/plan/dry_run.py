@@ -18,9 +18,24 @@ parameter, gradient or optimizer byte and lowers activation memory a little, so 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor._sharding_prop as sharding_prop
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from torchmeg.build import ModelStep, build_parallel_model, cross_entropy, forward_backward
+from torchmeg.layout import Layout
+from torchmeg.metrics import local_bytes, model_state_bytes
+from torchmeg.optim import build_optimizer, grad_norm
+from torchmeg.parallel import pipeline as pl
+from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
+from torchmeg.plan.step_cost import StepCost, add_comm, mesh_group_labels
 
 MIB = 2 ** 20
 
@@ -38,8 +53,6 @@ def step_memory():
     """torch's MemTracker (live bytes by category and their peak, from every op's outputs plus the
     parameters, gradients and optimizer state it is told about) without its per-module statistics:
     those refuse a module called twice in one step (gradient accumulation, pipeline microbatches)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     class StepMemory(MemTracker):
         def _pre_fw_hook(self, module, inputs):
             pass
@@ -86,7 +99,6 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measur
     """Run `run()` (one training step) under MemTracker + StepCost. With `microbatches` (a
     MicrobatchMarks the step iterates), its middle microbatch's ops and collectives count
     `microbatches.more` extra times."""
-    from torchmeg.plan.step_cost import StepCost
     mt = step_memory()
     mt.track_external(*model_parts, optimizer)
     cost = StepCost(labels)
@@ -116,8 +128,6 @@ def fake_world(world: int, rank: int):
     """This process as `rank` of a fake world. DTensor caches each op's sharding decision under a
     key in which a mesh of the same shape and names compares equal, whatever process groups it
     holds: a cache kept from the previous fake world hands out meshes whose groups are gone."""
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
         dist.destroy_process_group()
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
@@ -131,13 +141,12 @@ def _sharding_propagation_as_in_eager():
     none, so it makes a private FakeTensorMode that the trackers ignore; in the dry run it would
     reuse ours and the trackers would count those global-shaped shadow ops (+40% TP matmul FLOPs,
     +5% activation peak, measured). Make the dry run do what a real run does."""
-    import torch.distributed.tensor._sharding_prop as sp
-    saved = sp.detect_fake_mode
-    sp.detect_fake_mode = lambda *a, **k: None
+    saved = sharding_prop.detect_fake_mode
+    sharding_prop.detect_fake_mode = lambda *a, **k: None
     try:
         yield
     finally:
-        sp.detect_fake_mode = saved
+        sharding_prop.detect_fake_mode = saved
 
 
 @contextlib.contextmanager
@@ -147,7 +156,6 @@ def _balanced_routing():
     balanced routing — the state aux-loss-free balancing drives towards — by answering a bincount
     on fake tensors with real, equal counts (T*K / E each; the remainder to the first experts).
     Expert parallel's all-to-all of those counts stays data-dependent and is still refused."""
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     saved = torch.bincount
 
     def bincount(x, weights=None, minlength=0):
@@ -163,7 +171,12 @@ def _balanced_routing():
         torch.bincount = saved
 
 
-def dry_run(cfg, world: int, vocab: int, isolate: bool = False) -> list[dict]:
+# What a planning child works on, set before the Pool forks it: inherited by the fork, never
+# pickled (a user's ModelSpec may hold lambdas).
+_JOB: dict = {}
+
+
+def dry_run(cfg, layout: Layout, isolate: bool = False) -> list[dict]:
     """One entry per pipeline rank: {rank, stages, model_state_bytes, memory, flops, ops, comm, ...}.
 
     Pipeline ranks whose stages have the same shape (layer counts; first / last) measure the same:
@@ -171,73 +184,67 @@ def dry_run(cfg, world: int, vocab: int, isolate: bool = False) -> list[dict]:
     measurements (405B at PP 8: 3 builds for 8 ranks). Each kind is planned in a forked child
     (two at a time): DeviceMesh keeps process groups of an earlier fake world alive in its caches
     (torch 2.13), so one process cannot be two ranks in a row."""
-    from torchmeg.models import model_args
-    from torchmeg.parallel import ParallelDims
-    dims = ParallelDims.from_config(cfg, world)
+    dims = layout.dims
     cfg.compile.enable = False
-    import multiprocessing as mp
+    _JOB.update(cfg=cfg, layout=layout)
     if dims.pp == 1:
         if not isolate:
-            return _plan_in_fake_world(cfg, dims, [0], vocab)
+            return _plan_in_fake_world([0])
         with mp.get_context("fork").Pool(1) as pool:  # (--search: many plans from one process)
-            return pool.apply(_plan_in_fake_world, (cfg, dims, [0], vocab))
-    from torchmeg.parallel import pipeline as pl
-    v, counts = pl.plan_stages(cfg, model_args(cfg, vocab).n_layers, dims.pp)
+            return pool.apply(_plan_in_fake_world, ([0],))
+    st = layout.stages
     kinds: dict[tuple, list[int]] = {}
     for pp_rank in range(dims.pp):
-        ids = pl.stage_ids(pp_rank, dims.pp, v, cfg.parallelism.pipeline_parallel_schedule)
-        kinds.setdefault(tuple((counts[s], s == 0, s == len(counts) - 1) for s in ids), []).append(pp_rank)
+        ids = pl.stage_ids(pp_rank, dims.pp, st.per_rank, st.schedule)
+        kinds.setdefault(tuple((st.layers[s], s == 0, s == st.n_stages - 1) for s in ids), []).append(pp_rank)
     with mp.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
-        groups = pool.starmap(_plan_in_fake_world, [(cfg, dims, same, vocab) for same in kinds.values()])
+        groups = pool.map(_plan_in_fake_world, list(kinds.values()))
     return sorted((r for g in groups for r in g), key=lambda r: r["rank"])
 
 
-def _plan_in_fake_world(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
+def _plan_in_fake_world(pp_ranks: list[int]) -> list[dict]:
     """Plan pipeline rank pp_ranks[0] (the global rank with that pp coordinate and 0 elsewhere;
     pp is the outermost mesh dim); the others share its stage shapes."""
+    cfg, layout = _JOB["cfg"], _JOB["layout"]
+    dims = layout.dims
     fake_world(dims.world_size, pp_ranks[0] * (dims.world_size // dims.pp))
     try:
         with _sharding_propagation_as_in_eager(), _balanced_routing():
-            return _plan_rank(cfg, dims, pp_ranks, vocab)
+            return _plan_rank(cfg, layout, pp_ranks)
     finally:
         dist.destroy_process_group()
 
 
-def _plan_rank(cfg, dims, pp_ranks: list[int], vocab: int) -> list[dict]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from torchmeg.optim import build_optimizer
-    from torchmeg.plan.step_cost import mesh_group_labels
-    from torchmeg.train import Trainer, build_parallel_model
+def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
     device = torch.device("cpu")
-    mesh = dims.build_mesh("cpu")
-    t = cfg.training
-    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    labels = mesh_group_labels(mesh, *([dims.ep_mesh] if dims.ep_mesh is not None else []))
+    dims = layout.dims
+    mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
+    labels = mesh_group_labels(mesh, *([ep_mesh] if ep_mesh is not None else []))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    built = build_parallel_model(cfg, dims, mesh, device, vocab, None, accum, schedule=False, storage=lambda: fake)
+    built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, None, schedule=False, storage=lambda: fake)
     with fake:
         model = built.model
         opt = build_optimizer(model, cfg)
-        L = cfg.data.seq_len
-        if dims.pp == 1:
-            batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (t.local_batch_size, L)),
-                                               torch.randint(0, vocab, (t.local_batch_size, L))), accum)
-            host = _host(Trainer, cfg, dims, mesh, device, model, len(batches))
-            loss_group = mesh["dp_cp"].get_group()
-            step = _step(lambda: dist.all_reduce(host.forward_backward(batches), group=loss_group), model, opt, [])
-            state = _create_optimizer_state(model, opt)
-            m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches)
-            m.update(rank=dist.get_rank(), pp_rank=0, stages=built.ids, model_state_bytes=state, report=built.report)
-            return [m]
-        return _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks)
+        if dims.pp > 1:
+            return _plan_pipeline_ranks(cfg, layout, mesh, built, opt, labels, pp_ranks)
+        L, B, vocab = layout.seq_len, layout.local_batch, layout.args.vocab_size
+        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (B, L)), torch.randint(0, vocab, (B, L))),
+                                  layout.accum)
+        # The trainer's own microbatch loop, over the (at most three) microbatches planned.
+        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device), accum=len(batches))
+        loss_group = mesh["dp_cp"].get_group()
+        step = _step(lambda: dist.all_reduce(forward_backward(ms, batches), group=loss_group), model, opt, [])
+        state = _create_optimizer_state(model, opt)
+        m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches)
+        m.update(rank=dist.get_rank(), pp_rank=0, stages=built.stage_ids, model_state_bytes=state,
+                 report=built.report)
+        return [m]
 
 
 def _create_optimizer_state(model, opt) -> int:
     """Step 1's lasting effect without running step 1: zero gradients and one update create the
     optimizer's state. -> parameter + gradient + optimizer bytes, counted when all three exist
     (where the trainer measures model_state_mib)."""
-    from torchmeg.metrics import model_state_bytes
     for p in model.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -247,22 +254,10 @@ def _create_optimizer_state(model, opt) -> int:
     return state
 
 
-def _host(Trainer, cfg, dims, mesh, device, model, accum):
-    """A Trainer with just what its microbatch loop reads, so the dry run runs that very loop."""
-    host = Trainer.__new__(Trainer)
-    host.cfg, host.dims, host.mesh, host.device, host.model, host.accum = cfg, dims, mesh, device, model, accum
-    host.schedule, host.step, host.rank = None, 0, dist.get_rank()
-    host.loss_parallel = dims.tp > 1 and cfg.parallelism.loss_parallel and dims.pp == 1
-    from torchmeg.train import cross_entropy
-    host.loss_fn = cross_entropy
-    return host
-
-
 def _step(forward_backward, model, opt, extra_groups):
     """The trainer's step after forward/backward: the grad norm (one reduction per placement
     group) and the optimizer update. Clipping (one multiply per gradient) is left out: fake
     tensors hold no norm to compare with max_norm."""
-    from torchmeg.optim import grad_norm
 
     def run():
         forward_backward()
@@ -271,25 +266,20 @@ def _step(forward_backward, model, opt, extra_groups):
     return run
 
 
-def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
+def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks):
     """Pipeline ranks' steps from this rank's parts: each stage's microbatch measured once, then
     every rank in pp_ranks (same stage shapes) played through its row of the schedule's action
     order for the activations it holds at once."""
-    from torchmeg.parallel import pipeline as pl
-    from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
-    from torchmeg.plan.step_cost import add_comm
-    sched = cfg.parallelism.pipeline_parallel_schedule
-    n_stages = len(built.counts)
-    v = n_stages // dims.pp
-    n_micro = pl.microbatches(cfg, dims.pp, v, accum)
-    mb = cfg.training.local_batch_size * accum // n_micro
+    dims, st = layout.dims, layout.stages
+    sched, n_stages, v, n_micro = st.schedule, st.n_stages, st.per_rank, st.microbatches
+    mb = layout.local_batch * layout.accum // n_micro
     sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
     L = cfg.data.seq_len // dims.cp
-    dim = built.args.dim
+    dim = layout.args.dim
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    vocab = built.args.vocab_size
+    vocab = layout.args.vocab_size
     per_stage, p2p = {}, []
-    for part, sid in zip(built.parts, built.ids):
+    for part, sid in zip(built.parts, built.stage_ids):
         if sid == 0:
             x = torch.randint(0, vocab, (mb, L))
         else:
@@ -305,7 +295,6 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     state = _create_optimizer_state(built.model, opt)
     # The step's tail, as the trainer runs it: the loss summed over the pipeline and averaged over
     # data parallel, the grad norm (per placement group, then over the pipeline), the update.
-    from torchmeg.optim import grad_norm
     for p in built.model.parameters():
         p.grad = torch.zeros_like(p)
     pp_group = mesh["pp"].get_group()
@@ -336,12 +325,12 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     flops += tail_m["flops"]
     ops += tail_m["ops"]
     buffers = sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers())
-    params = sum(_local_bytes(p) for part in built.parts for p in part.parameters())
+    params = sum(local_bytes(p) for part in built.parts for p in part.parameters())
     bub = bubble(simulate(actions))
     out = []
     for pp_rank in pp_ranks:
         ids = pl.stage_ids(pp_rank, dims.pp, v, sched)
-        mine = dict(zip(ids, (per_stage[s] for s in built.ids)))  # same shapes, position by position
+        mine = dict(zip(ids, (per_stage[s] for s in built.stage_ids)))  # same shapes, position by position
         live, peak = 0, 0
         for kind, s, _ in actions[pp_rank]:
             st = mine[s]
@@ -365,17 +354,9 @@ def _plan_pipeline_ranks(cfg, dims, mesh, built, opt, accum, labels, pp_ranks):
     return out
 
 
-def _local_bytes(t) -> int:
-    from torchmeg.metrics import _local
-    loc = _local(t)
-    return loc.numel() * loc.element_size()
-
-
 def _measure_forward(part, opt, labels, x, last, y, n_micro) -> dict:
     """One microbatch through one stage: bytes held after forward (activations + output), the
     transient peaks of forward and backward above that, and its ops and collectives."""
-    from torchmeg.plan.step_cost import StepCost
-    from torchmeg.train import cross_entropy
     mt = step_memory()
     mt.track_external(part, opt)
     cost = StepCost(labels)

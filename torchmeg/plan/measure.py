@@ -7,20 +7,20 @@ from __future__ import annotations
 import json
 import os
 
+from torchmeg.plan.dry_run import activation_bytes, track_step
+from torchmeg.plan.step_cost import mesh_group_labels
+from torchmeg.trainer import Trainer
+from torchmeg.validate import validate
+
 
 def measure_main(cfg, json_path: str | None) -> int:
-    from torchmeg.config import validate
-    from torchmeg.plan.dry_run import activation_bytes, track_step
-    from torchmeg.plan.step_cost import mesh_group_labels
-    from torchmeg.train import Trainer
-    validate(cfg)
+    layout = validate(cfg)
     cfg.compile.enable = False  # as in the dry run
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, layout)
     it = iter(trainer.loader)
-    trainer.train_step([next(it) for _ in range(trainer.accum)])
-    batches = [next(it) for _ in range(trainer.accum)]
-    dims = trainer.dims
-    labels = mesh_group_labels(trainer.mesh, *([dims.ep_mesh] if dims.ep_mesh is not None else []))
+    trainer.train_step([next(it) for _ in range(layout.accum)])
+    batches = [next(it) for _ in range(layout.accum)]
+    labels = mesh_group_labels(trainer.mesh, *([trainer.ep_mesh] if trainer.ep_mesh is not None else []))
     m = track_step(lambda: trainer.train_step(batches), [trainer.model], trainer.optimizer, labels)
     out = {"rank": trainer.rank, "model_state_bytes": trainer.state_bytes, "memory": m["memory"],
            "activation_bytes": activation_bytes(m["memory"]), "flops": m["flops"], "flops_by_op": m["flops_by_op"], "comm": m["comm"]}

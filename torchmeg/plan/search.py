@@ -12,18 +12,17 @@ from __future__ import annotations
 import copy
 import time
 
+from torchmeg.errors import ConfigError
+from torchmeg.plan.gpus import GPUS
+from torchmeg.plan.planner import plan
+from torchmeg.validate import validate
+
 MODES = ("none", "selective", "full")
 
 
 def candidates(cfg, world: int, gpus_per_node: int):
-    from torchmeg.config import ConfigError, validate
-    from torchmeg.models import check_model_config
-    from torchmeg.parallel import ParallelDims
-    args = check_model_config(cfg, tokenizer=False)
-    dims = ParallelDims.from_config(cfg, world)
-    t = cfg.training
-    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // (t.local_batch_size * dims.dp)
-    global_seqs = t.local_batch_size * dims.dp * accum
+    layout = validate(cfg, world, data=False)
+    args, global_seqs = layout.args, layout.global_batch
     out = []
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
@@ -64,9 +63,6 @@ def describe(c) -> str:
 
 
 def search(cfg, world: int, gpu_name: str, top: int, limit: int = 24) -> dict:
-    from torchmeg.config import ConfigError
-    from torchmeg.plan.__main__ import plan
-    from torchmeg.plan.gpus import GPUS
     cands = candidates(cfg, world, GPUS[gpu_name].gpus_per_node)
     print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning "
           f"{min(limit, len(cands))} of them", flush=True)

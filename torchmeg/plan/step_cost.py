@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+from torch._guards import active_fake_mode
+from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
@@ -106,12 +108,10 @@ class StepCost(CommDebugMode):
         # inside a pipeline schedule (IndexError in _fw_set_module_hook, torch 2.13); collectives
         # are counted per step and per mesh dim here, not per module.
         self.comm_counts.clear()
-        from torch._guards import active_fake_mode
         self._fake_on_entry = active_fake_mode()
         # Point-to-point traffic (the context-parallel ring, pipeline stages) goes through
         # dist.batch_isend_irecv and pipelining's _batch_p2p: ProcessGroup calls that no dispatch
         # mode sees, so it is counted there.
-        from torch.distributed.pipelining import schedules
         self._saved_p2p = (dist.batch_isend_irecv, schedules._batch_p2p)
         dist.batch_isend_irecv = lambda ops: self._count_p2p(ops, self._saved_p2p[0])
         schedules._batch_p2p = lambda ops, desc=None: self._count_p2p(ops, self._saved_p2p[1], desc)
@@ -119,7 +119,6 @@ class StepCost(CommDebugMode):
         return self
 
     def __exit__(self, *args):
-        from torch.distributed.pipelining import schedules
         dist.batch_isend_irecv, schedules._batch_p2p = self._saved_p2p
         TorchDispatchMode.__exit__(self, *args)
 
@@ -149,7 +148,6 @@ class StepCost(CommDebugMode):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        from torch._guards import active_fake_mode
         if isinstance(func, torch._ops.HigherOrderOperator) or active_fake_mode() is not self._fake_on_entry:
             return out  # (DTensor's sharding propagation runs ops under a fake mode of its own)
         packet = func._overloadpacket

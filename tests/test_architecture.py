@@ -1,0 +1,264 @@
+"""torchmeg's shape, read from its source with `ast`: the import graph (function-level imports
+included) has no cycle and points one way down the layers of docs/architecture.md.
+
+How the graph models Python: `from P import name` is an edge to submodule P.name when there is one,
+else to module P. Importing a submodule also runs its parent packages' `__init__`, so each module
+depends on those too. A package `__init__` contributes only its module-level imports: its public
+names resolve lazily in `__getattr__` (PEP 562), which runs only when a user touches the name, and
+no torchmeg module may import such a lazily-resolved name (checked below), so those imports never
+run inside torchmeg's own import chains.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from collections import defaultdict
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "torchmeg")
+MAX_LINES = 400
+
+# The layers, bottom up. A module may import modules of its own layer or below (cycles aside).
+ALLOWED = {
+    "torchmeg.errors": set(),                      # imports nothing from torchmeg
+    "torchmeg.layout": set(),                      # a plain record
+    "torchmeg.config": {"torchmeg.errors"},        # schema + recipe-only checks
+}
+MODEL_OK = ("torchmeg.models", "torchmeg.config", "torchmeg.errors")
+ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args", "torchmeg.validate", "torchmeg.build",
+                  "torchmeg.trainer", "torchmeg.train", "torchmeg.plan", "torchmeg.checkpoint")
+
+
+def _modules() -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                name = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                out[name[: -len(".__init__")] if name.endswith(".__init__") else name] = path
+    return out
+
+
+MODULES = _modules()
+PACKAGES = {m for m, p in MODULES.items() if p.endswith("__init__.py")}
+
+
+def _parents(mod: str) -> list[str]:
+    parts = mod.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+class Import:
+    def __init__(self, src: str, target: str, line: int, function_level: bool, lazy_name: bool, text: str):
+        self.src, self.target, self.line = src, target, line
+        self.function_level, self.lazy_name, self.text = function_level, lazy_name, text
+
+
+def _module_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+    return names
+
+
+_TREES = {m: ast.parse(open(p).read(), p) for m, p in MODULES.items()}
+_SOURCES = {m: open(p).read().splitlines() for m, p in MODULES.items()}
+
+
+def _in_functions(tree: ast.Module) -> set[int]:
+    """ids of the import statements inside a function (they run when it is called, not at import)."""
+    out = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            out |= {id(n) for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def _imports(mod: str) -> list[Import]:
+    """Every import statement of `mod` that reaches a torchmeg module, resolved."""
+    tree = _TREES[mod]
+    base = mod if mod in PACKAGES else mod.rpartition(".")[0]
+    in_functions = _in_functions(tree)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        fn_level = id(node) in in_functions
+        text = "\n".join(_SOURCES[mod][node.lineno - 2:node.end_lineno])
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "torchmeg":
+                    out.append(Import(mod, a.name, node.lineno, fn_level, False, text))
+            continue
+        if node.level:
+            parts = base.split(".")
+            parent = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+        else:
+            parent = node.module or ""
+        if parent.split(".")[0] != "torchmeg":
+            continue
+        for a in node.names:
+            sub = f"{parent}.{a.name}"
+            if sub in MODULES:
+                out.append(Import(mod, sub, node.lineno, fn_level, False, text))
+            else:
+                lazy = parent in PACKAGES and a.name not in _module_level_names(_TREES[parent])
+                out.append(Import(mod, parent, node.lineno, fn_level, lazy, text))
+    return out
+
+
+IMPORTS = {m: _imports(m) for m in MODULES}
+
+
+def _graph() -> dict[str, set[str]]:
+    g = defaultdict(set)
+    for mod, imps in IMPORTS.items():
+        for p in _parents(mod):
+            g[mod].add(p)
+        for imp in imps:
+            if mod in PACKAGES and imp.function_level:
+                continue  # a facade's lazy names (see the module docstring)
+            g[mod].add(imp.target)
+            g[mod].update(_parents(imp.target))
+        g[mod].discard(mod)
+    return g
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in list(MODULES):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_the_code():
+    """Guards the checks below against reading nothing: known edges, function-level ones included."""
+    g = _graph()
+    assert "torchmeg.validate" in g["torchmeg.train"]
+    assert "torchmeg.models.spec" in g["torchmeg.validate"]
+    assert "torchmeg.models" in g["torchmeg.models.llama"]  # parent package
+    assert any(i.function_level for imps in IMPORTS.values() for i in imps)  # the facades' lazy names
+    assert len(MODULES) > 50
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_a_cycle_is_detected():
+    """The detector itself, on the real modules with one cycle added."""
+    fake = {m: set() for m in MODULES}
+    fake["torchmeg.errors"] = {"torchmeg.config"}
+    fake["torchmeg.config"] = {"torchmeg.errors"}
+    assert ["torchmeg.config", "torchmeg.errors"] in _cycles(fake)
+
+
+def _offenders(pred) -> list[str]:
+    return [f"{i.src}:{i.line} imports {i.target}" for imps in IMPORTS.values() for i in imps if pred(i)]
+
+
+def test_layers_point_down():
+    bad = []
+    for mod, allowed in ALLOWED.items():
+        bad += _offenders(lambda i, m=mod, a=allowed: i.src == m and i.target not in a)
+    # Models are plain PyTorch: nothing of the parallel code, the trainer, the planner.
+    bad += _offenders(lambda i: i.src.startswith("torchmeg.models") and not i.target.startswith(MODEL_OK))
+    # The parallel code gets what it needs about a model as data; it never reads the registry.
+    bad += _offenders(lambda i: i.src.startswith("torchmeg.parallel") and i.target.startswith(ABOVE_PARALLEL))
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def test_models_import_nothing_distributed():
+    bad = []
+    for mod, tree in _TREES.items():
+        if not mod.startswith("torchmeg.models"):
+            continue
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{mod}:{node.lineno} {n}" for n in names if n.startswith("torch.distributed")]
+    assert not bad, bad
+
+
+def test_no_module_imports_a_facade_name():
+    """Internal code imports from the submodule that defines a name, never through a package's lazy
+    facade (which would hide the real edge and could close a cycle at first use)."""
+    bad = _offenders(lambda i: i.lazy_name and i.src not in PACKAGES)
+    assert not bad, bad
+
+
+def test_package_inits_import_nothing_at_module_level():
+    bad = _offenders(lambda i: i.src in PACKAGES and not i.function_level)
+    assert not bad, bad
+
+
+def test_function_level_imports_say_why():
+    """Imports sit at the top of files; one inside a function (heavy optional packages: transformers,
+    torchao; a facade's lazy names) carries a comment saying 'lazy' on its line or the line above."""
+    bad = []
+    for mod, tree in _TREES.items():
+        in_functions = _in_functions(tree)
+        lines = _SOURCES[mod]
+        for node in ast.walk(tree):
+            if id(node) in in_functions:
+                around = " ".join(lines[max(0, node.lineno - 2):node.end_lineno])
+                if "lazy" not in around.lower() and not (mod in PACKAGES and _in_getattr(tree, node)):
+                    bad.append(f"{MODULES[mod]}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not bad, "function-level imports without a reason:\n" + "\n".join(bad)
+
+
+def _in_getattr(tree: ast.Module, node: ast.AST) -> bool:
+    for fn in tree.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name == "__getattr__":
+            if any(n is node for n in ast.walk(fn)):
+                return True
+    return False
+
+
+def test_modules_stay_readable():
+    long = {MODULES[m]: len(lines) for m, lines in _SOURCES.items() if len(lines) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("pattern, allowed", [
+    (r"ParallelDims\.from_config\(", {"torchmeg/validate.py"}),  # the layout is derived once
+    (r"Trainer\.__new__", set()),                                # no forged trainers
+    (r"global_batch_size\s*//", {"torchmeg/validate.py"}),       # the accumulation formula
+    (r"\.uses_loss_parallel\(", {"torchmeg/validate.py", "torchmeg/parallel/parallelize.py"}),
+])
+def test_derived_in_one_place(pattern, allowed):
+    found = {os.path.relpath(MODULES[m], ROOT) for m, lines in _SOURCES.items()
+             if any(re.search(pattern, line) for line in lines)}
+    assert found <= allowed and (found or not allowed), (pattern, found)

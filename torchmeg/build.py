@@ -1,0 +1,166 @@
+"""The model on this rank and how one step runs it: shared by the trainer and the planner.
+
+`build_parallel_model` makes this rank's model from a Layout: built whole on meta, split into its
+pipeline stages, each stage put through `parallelize()` and materialised on the device with every
+parameter initialised from (seed, FQN) on its own shard only. The planner's fake-tensor dry run
+passes seed None (storage only), schedule=False (no peers to run one with) and storage=a
+FakeTensorMode (what storage is made under; parallelize() itself runs outside it, as it builds
+meshes).
+
+`forward_backward` / `eval_step` run one step's microbatches through that model (`ModelStep`): the
+trainer calls them for real, the planner under its trackers on fake tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+
+from torchmeg.layout import Layout
+from torchmeg.models.args import instantiate
+from torchmeg.models.init import materialize
+from torchmeg.models.spec import spec_tp_plan
+from torchmeg.parallel import pipeline as pl
+from torchmeg.parallel.context import shard_sequence
+from torchmeg.parallel.parallelize import describe_report, parallelize
+from torchmeg.parallel.shards import local_block
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module            # this rank's model (a StageUnion of its pipeline stages under PP)
+    whole: nn.Module            # the meta model before any split: counts and FLOPs
+    parts: list[nn.Module]      # the stages this rank runs, or [model]
+    stage_ids: list[int]
+    schedule: pl.Pipeline | None
+    has_first: bool             # holds the first stage (takes token ids) / the last (makes the loss)
+    has_last: bool
+    report: str                 # what parallelize() did, one line
+    stage_desc: str             # the pipeline split, one line ("" without PP)
+
+
+def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
+                         loss_fn: Callable = cross_entropy, schedule: bool = True,
+                         storage=contextlib.nullcontext) -> BuiltModel:
+    spec, dims = layout.spec, layout.dims
+    whole = instantiate(spec, layout.args, "meta")
+
+    def prepare(part: nn.Module) -> None:
+        parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=spec_tp_plan(spec, part),
+                    plan_must_match=callable(spec.tp_plan))  # a plan derived from this very model: all must match
+        with storage():
+            materialize(part, device, seed, block=local_block)
+
+    st = layout.stages
+    if st is None:
+        prepare(whole)
+        return BuiltModel(model=whole, whole=whole, parts=[whole], stage_ids=[0], schedule=None, has_first=True,
+                          has_last=True, report=describe_report(whole.torchmeg_report), stage_desc="")
+    # Split into this rank's stages first; each stage then goes through the whole pass.
+    ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, st.per_rank, st.schedule)
+    parts = pl.split_model(whole, spec, list(st.layers), ids)
+    for part in parts:
+        prepare(part)
+    pipe = None
+    if schedule:
+        pipe = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
+                                 loss_fn, st.schedule)
+    desc = f"stages {ids} of {st.n_stages} ({list(st.layers)} layers), {st.schedule}"
+    if dims.fsdp > 1 and st.schedule in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
+        desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
+    return BuiltModel(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, stage_ids=ids,
+                      schedule=pipe, has_first=0 in ids, has_last=st.n_stages - 1 in ids,
+                      report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc)
+
+
+# ---- one step's microbatches through the model ---------------------------------------------------
+
+@dataclass
+class ModelStep:
+    """What running the model over one step's microbatches needs."""
+    model: nn.Module
+    schedule: pl.Pipeline | None
+    device: torch.device
+    loss_fn: Callable
+    loss_parallel: bool
+    accum: int
+    cp_rank: int
+    cp: int
+    has_first: bool
+    has_last: bool
+    pp_group: object
+
+    @classmethod
+    def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
+        return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel, layout.accum,
+                   mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
+                   mesh["pp"].get_group())
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
+        t = t.to(self.device)
+        return shard_sequence(t, self.cp_rank, self.cp) if self.cp > 1 else t
+
+    def loss_context(self):
+        return loss_parallel_ctx() if self.loss_parallel else contextlib.nullcontext()
+
+
+def _scalar(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) -> torch.Tensor:
+    """Forward and backward over the step's microbatches (gradients accumulate in the parameters)
+    -> the sum of this rank's microbatch losses, each divided by accum. `loss_hook(loss) -> loss`
+    is applied to each microbatch's loss before its backward (the trainer's test hooks)."""
+    if ms.schedule is not None:  # the schedule runs every microbatch itself
+        return pipeline_step(ms, batches, train=True)
+    loss_sum = torch.zeros((), device=ms.device)
+    for m, (inputs, labels) in enumerate(batches):
+        inputs, labels = ms.local(inputs), ms.local(labels)
+        if hasattr(ms.model, "set_requires_gradient_sync"):
+            # Reduce gradients once, after the last microbatch.
+            ms.model.set_requires_gradient_sync(m == ms.accum - 1)
+        with ms.loss_context():
+            loss = ms.loss_fn(ms.model(inputs), labels) / ms.accum
+            if loss_hook is not None:
+                loss = loss_hook(loss)
+            loss.backward()
+        loss_sum += _scalar(loss.detach()).float()
+    return loss_sum
+
+
+def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
+    """One schedule run over the step's sequences; the loss (mean over microbatches) is known
+    on the last stage's rank and summed over the pipeline group so every rank holds it."""
+    inputs = ms.local(torch.cat([b[0] for b in batches]))
+    labels = ms.local(torch.cat([b[1] for b in batches]))
+    losses = []
+    args = (inputs,) if ms.has_first else ()
+    kw = {"target": labels, "losses": losses} if ms.has_last else {}
+    (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
+    loss = torch.stack([x.detach().float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
+    dist.all_reduce(loss, group=ms.pp_group)
+    return loss
+
+
+@torch.no_grad()
+def eval_step(ms: ModelStep, batches, total: torch.Tensor) -> None:
+    """Add this step's loss (the mean over its microbatches) on this rank into `total`."""
+    if ms.schedule is not None:
+        total += pipeline_step(ms, batches, train=False)
+        return
+    for inputs, labels in batches:
+        with ms.loss_context():
+            loss = ms.loss_fn(ms.model(ms.local(inputs)), ms.local(labels))
+        total += _scalar(loss).float() / ms.accum

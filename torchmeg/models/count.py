@@ -1,0 +1,48 @@
+"""What a model costs: parameters (total, non-embedding, active per token) and training FLOPs."""
+from __future__ import annotations
+
+from torch import nn
+
+from torchmeg.models.moe import is_grouped_experts
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Global parameter count (DTensor numel is global); tied weights counted once."""
+    seen, n = set(), 0
+    emb = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)} if exclude_embeddings else set()
+    for p in model.parameters():
+        if id(p) not in seen and id(p) not in emb:
+            seen.add(id(p))
+            n += p.numel()
+    return n
+
+
+def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
+    """Training FLOPs per token: 6 x matmul weights + 12 x layers x heads x head_dim x seq_len.
+
+    The first term is forward (2N) + backward (4N) over every nn.Linear weight (embedding lookups
+    are not matmuls; a tied output counts as a matmul); the second is QK^T and AV over the full
+    (non-causal) score matrix, the PaLM convention (Chowdhery et al. 2022, appendix B).
+    """
+    seen, n = set(), 0
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m.weight) not in seen:
+            seen.add(id(m.weight))
+            n += m.weight.numel()
+        elif is_grouped_experts(m):  # only top_k of the experts run
+            n += _expert_weights(m) * m.top_k // m.n_experts
+    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def active_params(model: nn.Module) -> int:
+    """Parameters a token actually uses (MoE: top_k of the routed experts)."""
+    n = count_params(model)
+    for m in model.modules():
+        if is_grouped_experts(m):
+            total = _expert_weights(m)
+            n -= total - total * m.top_k // m.n_experts
+    return n
+
+
+def _expert_weights(m: nn.Module) -> int:
+    return m.w1.numel() + m.w2.numel() + m.w3.numel()
