@@ -110,11 +110,13 @@ def _optimizer_tensors(optimizer):
 
 class CheckpointManager:
     """Saves and loads (model, optimizer, TrainState) under the recipe's checkpoint keys.
-    `layout` describes the layout that saves (recorded in torchmeg.json)."""
+    `layout` describes the layout that saves and `tokenizer` names the tokenizer the model was
+    trained with (its fingerprint); both are recorded in torchmeg.json."""
 
-    def __init__(self, cfg, model, optimizer, state: TrainState, layout: str):
+    def __init__(self, cfg, model, optimizer, state: TrainState, layout: str, tokenizer: str = ""):
         self.cfg, self.c = cfg, cfg.checkpoint
         self.model, self.optimizer, self.state, self.layout = model, optimizer, state, layout
+        self.tokenizer = tokenizer
         self.folder = resolve_folder(cfg)
         self.rank = dist.get_rank()
         self.loaded_from = None
@@ -242,7 +244,8 @@ class CheckpointManager:
         if self.rank == 0:
             c = self.cfg
             meta = {"step": step, "time": time.time(), "layout": self.layout, "model_only": model_only,
-                    "model": f"{c.model.name}/{c.model.flavor}", "recipe": resume.recipe_record(c),
+                    "model": f"{c.model.name}/{c.model.flavor}", "tokenizer": self.tokenizer,
+                    "recipe": resume.recipe_record(c),
                     "data": marker["data"], "files": files, "loss_history": marker["loss_history"]}
             with open(os.path.join(tmp, MARKER), "w") as fh:
                 json.dump(meta, fh)
@@ -267,6 +270,49 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+
+def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | None:
+    """The weights of checkpoint.load_step (or the newest committed checkpoint) into `model`, whatever
+    layout saved them (DCP reshards): for using a trained model (generation, evaluation). Verified as
+    a resume is; a damaged checkpoint or one that does not fit the recipe is one line naming it.
+    `tokenizer`: this run's tokenizer fingerprint, checked against the one the checkpoint recorded.
+    -> (step, path), or None when the folder holds no checkpoint."""
+    folder = resolve_folder(cfg)
+    steps, want = committed_steps(folder), cfg.checkpoint.load_step
+    if want != -1 and want not in steps:
+        raise ConfigError(f"checkpoint.load_step = {want}: no committed checkpoint for that step in {folder} "
+                          f"(have: {steps or 'none'}); use -1 for the latest")
+    if not steps:
+        return None
+    step = want if want != -1 else steps[-1]
+    path = step_dir(folder, step)
+    problem, meta = None, {}
+    try:
+        with open(os.path.join(path, MARKER)) as fh:
+            meta = json.load(fh)
+        problem = verify_files(path, meta.get("files"), _my_share(list(meta.get("files") or [])))
+    except (OSError, ValueError) as e:
+        problem = f"{MARKER}: {_first_line(e)}"
+    problem = _agree(problem)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged ({problem}); pick another with checkpoint.load_step")
+    saved = meta.get("tokenizer")
+    if saved and tokenizer and saved != tokenizer:
+        raise ConfigError(f"checkpoint {path} was trained with tokenizer {saved}, the recipe's data.tokenizer = "
+                          f"{cfg.data.tokenizer!r} is {tokenizer}; use the tokenizer the model was trained with")
+    try:
+        dcp.load({"model": ModelState(model)}, checkpoint_id=path)
+    except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
+        problem = _first_line(e)
+    problem = _agree(problem)
+    if problem:
+        raise CheckpointError(f"checkpoint {path}: its weights do not fit the recipe's model {cfg.model.name}/"
+                              f"{cfg.model.flavor} ({problem}); use the recipe (model, data.tokenizer) it was "
+                              f"trained with")
+    if not all_finite(model.parameters()):
+        raise CheckpointError(f"checkpoint {path}: non-finite values in the weights")
+    return step, path
 
 
 def _test_hook_kill_before_commit(step: int) -> None:

@@ -21,6 +21,23 @@ def pick_device(cfg) -> torch.device:
     return torch.device("cpu")
 
 
+def start(cfg, dims) -> tuple[torch.device, object, object]:
+    """A run's process-level start: the device, the process group, the seed, the meshes
+    (dims.build_mesh / build_ep_mesh). -> (device, mesh, ep_mesh or None)."""
+    device = pick_device(cfg)
+    init_distributed(device)
+    torch.manual_seed(cfg.job.seed)
+    return device, dims.build_mesh(device.type), dims.build_ep_mesh(device.type)
+
+
+def end() -> None:
+    """The clean end of a successful run: one barrier, so no rank tears down its sockets while a
+    peer still talks to it, then the groups go (the caller released what held communication work)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def init_distributed(device: torch.device) -> None:
     """Always a process group (a world of 1 too), so one code path serves every layout."""
     timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHMEG_PG_TIMEOUT", "300")))

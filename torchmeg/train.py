@@ -5,9 +5,7 @@ Validates the recipe (torchmeg.validate -> Layout), then builds the run and trai
 """
 from __future__ import annotations
 
-import os
 import sys
-import time
 
 from torchmeg import guard
 from torchmeg.config import Config, load_config
@@ -40,44 +38,18 @@ def parse_args(argv: list[str]) -> Config:
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 done, 1 failed (on any rank), 2 bad recipe, 3 hang (watchdog)."""
     argv = sys.argv[1:] if argv is None else argv
-    try:
+
+    def prepare():
         cfg = parse_args(argv)
-        layout = validate(cfg)
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one of them says why
-            print(f"torchmeg: error: {e}", file=sys.stderr, flush=True)
-        else:
-            # ...and the others leave a moment later: a launcher (torchrun) stops every worker as
-            # soon as one exits, which could kill rank 0 before its line is out (seen 1 in ~200).
-            time.sleep(3)
-        return guard.EXIT_CONFIG
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        trainer = Trainer(cfg, layout)
+        return cfg, validate(cfg)
+
+    def run(prepared):
+        trainer = Trainer(*prepared)
         trainer.run()
         trainer.close()
-        return 0
-    except ConfigError as e:  # a check that needs the data, device or checkpoint, after start-up
-        if rank == 0:
-            print(f"torchmeg: error: {e}", file=sys.stderr, flush=True)
-        code = guard.EXIT_CONFIG
-    except (FloatingPointError, LossSpikeError) as e:  # on_nonfinite / on_loss_spike = "stop", max_consecutive_skips: all ranks alike
-        if rank == 0:
-            print(f"torchmeg: stopped: {e}", file=sys.stderr, flush=True)
-        code = guard.EXIT_FAILED
-    except BaseException as e:  # noqa: BLE001 - any failure on any rank ends the job now
-        guard.report_failure(e, rank)
-        code = guard.EXIT_FAILED
-    guard.hard_exit(code)  # no barrier, no teardown: peers may be gone or stuck
-    return code
+    # on_nonfinite / on_loss_spike = "stop", max_consecutive_skips: every rank stops alike
+    return guard.cli_main("torchmeg", prepare, run, stops=(FloatingPointError, LossSpikeError))
 
 
 if __name__ == "__main__":
-    # Leave without interpreter teardown: a gloo work object that outlives destroy_process_group()
-    # and is destroyed while the interpreter shuts down needs the GIL and aborts the process
-    # ("terminate called without an active exception", SIGABRT; measured on 2/100 FSDP2 runs
-    # before this). Everything that must reach disk was closed and flushed above.
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(code)
+    guard.exit_now(main())

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchmeg import __version__, guard
+from torchmeg import __version__, guard, runtime
 from torchmeg.build import ModelStep, build_parallel_model, cross_entropy, eval_step, forward_backward
 from torchmeg.checkpoint import CheckpointManager, all_finite
 from torchmeg.compile import compile_loss
@@ -34,7 +34,7 @@ from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.peak import peak_flops, repair_peak
 from torchmeg.profiling import StepProfiler
-from torchmeg.runtime import StopFlag, init_distributed, inject_kill, inject_nan, inject_spike, pick_device
+from torchmeg.runtime import StopFlag, inject_kill, inject_nan, inject_spike
 from torchmeg.spike import SpikeGuard, batch_samples
 from torchmeg.train_state import TrainState
 from torchmeg.validate import validate
@@ -55,17 +55,13 @@ class Trainer:
     def _start_runtime(self) -> None:
         """Device, process group, watchdog, determinism, seed, meshes."""
         cfg, dims = self.cfg, self.layout.dims
-        self.device = pick_device(cfg)
-        init_distributed(self.device)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.watchdog = guard.Watchdog(cfg, self.rank, describe_inflight if dims.pp > 1 else None)
         if cfg.training.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
-        torch.manual_seed(cfg.job.seed)
+        self.device, self.mesh, self.ep_mesh = runtime.start(cfg, dims)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.watchdog = guard.Watchdog(cfg, self.rank, describe_inflight if dims.pp > 1 else None)
         self.dims = dims
-        self.mesh = dims.build_mesh(self.device.type)
-        self.ep_mesh = dims.build_ep_mesh(self.device.type)
         self.dp_rank = self.mesh["dp"].get_local_rank()
         self.loss_group = self.mesh["dp_cp"].get_group()
         self.pp_group = self.mesh["pp"].get_group()
@@ -122,7 +118,8 @@ class Trainer:
         self.spike_note = None
         self.ckpt = None
         if cfg.checkpoint.enable:
-            self.ckpt = CheckpointManager(cfg, self.model, self.optimizer, self.state, self.dims.describe())
+            self.ckpt = CheckpointManager(cfg, self.model, self.optimizer, self.state, self.dims.describe(),
+                                          tokenizer=self.tokenizer.fingerprint())
             self.watchdog.begin("checkpoint load")
             self.ckpt.load_latest()
             self.watchdog.end()
@@ -358,9 +355,7 @@ class Trainer:
                      "ckpt"):
             setattr(self, name, None)
         gc.collect()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        runtime.end()
 
 
 def header_lines(tr: Trainer) -> list[str]:

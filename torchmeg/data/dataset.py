@@ -16,14 +16,15 @@ class PackedWindows:
     """Windows of seq_len + 1 tokens over a store's stream (documents end with EOS).
 
     Window j covers tokens [j*L, j*L + L + 1): inputs are its first L tokens, labels its last L.
-    The last `val_fraction` of windows form the held-out split.
+    The last `val_fraction` of windows form the held-out split ("val"), the rest "train"; "all"
+    is every window (evaluating a whole store).
     """
 
     def __init__(self, store: Store, seq_len: int, split: str, val_fraction: float):
         self.store, self.seq_len = store, seq_len
         n = (store.n_tokens - 1) // seq_len
         n_val = max(1, int(n * val_fraction)) if val_fraction > 0 else 0
-        self.first, self.n = (0, n - n_val) if split == "train" else (n - n_val, n_val)
+        self.first, self.n = {"train": (0, n - n_val), "val": (n - n_val, n_val), "all": (0, n)}[split]
         if self.n <= 0:
             raise ValueError(f"{store.prefix}: no {split} samples at seq_len {seq_len}")
 

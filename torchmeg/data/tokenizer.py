@@ -30,6 +30,10 @@ class ByteTokenizer:
     def fingerprint(self) -> str:
         return "byte-v1"
 
+    def token_bytes(self) -> list[int]:
+        """UTF-8 bytes each id stands for (bits per byte); end-of-document: none."""
+        return [1] * 256 + [0]
+
 
 class HFTokenizer:
     """A `tokenizer.json` (BPE, WordPiece, ...) loaded with the `tokenizers` library."""
@@ -65,6 +69,28 @@ class HFTokenizer:
     def fingerprint(self) -> str:
         with open(self.path, "rb") as fh:
             return "hf-" + hashlib.sha1(fh.read()).hexdigest()[:16]
+
+    def token_bytes(self) -> list[int] | None:
+        """UTF-8 bytes each id stands for (bits per byte): exact for byte-level BPE (GPT-2 style,
+        every token a string of byte symbols), None for other tokenizers; special tokens: none."""
+        if type(self.tok.decoder).__name__ != "ByteLevel":
+            return None
+        symbol = {ch: 1 for ch in _byte_symbols()}
+        special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        out = [0] * self.vocab_size
+        for i in range(self.tok.get_vocab_size()):
+            t = self.tok.id_to_token(i)
+            if t is not None and i not in special:
+                out[i] = sum(symbol.get(ch, len(ch.encode())) for ch in t)
+        return out
+
+
+def _byte_symbols() -> list[str]:
+    """The 256 printable characters byte-level BPE writes bytes as (GPT-2's bytes_to_unicode)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    extra = [b for b in range(256) if b not in printable]
+    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
 
 
 def build_tokenizer(spec: str):

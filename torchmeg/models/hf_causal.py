@@ -155,11 +155,22 @@ class HFCausalLM(nn.Module):
         self.supports_sequence_parallel = args.attn_implementation == "sdpa"
         self.sequence_parallel_note = f"{args.attn_implementation} attention builds its mask from the local length"
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        # Positions given explicitly: under sequence parallel the embedding output is a sequence
-        # shard, and the base model would count positions from its local length.
-        pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        h = getattr(self, self.base_prefix)(input_ids=tokens, position_ids=pos, use_cache=False).last_hidden_state
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a torchmeg KVCache, which here
+        carries transformers' own cache and the padding mask (models.kv_cache)."""
+        base = getattr(self, self.base_prefix)
+        if cache is None:
+            # Positions given explicitly: under sequence parallel the embedding output is a sequence
+            # shard, and the base model would count positions from its local length.
+            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            h = base(input_ids=tokens, position_ids=pos, use_cache=False).last_hidden_state
+        else:
+            if "hf" not in cache.model_state:
+                from transformers import DynamicCache  # lazy: see load_config
+                cache.model_state["hf"] = DynamicCache(config=self.config)
+            n = tokens.shape[1]
+            h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n),
+                     past_key_values=cache.model_state["hf"], use_cache=True).last_hidden_state
         logits = self.lm_head(h)
         if self.softcap:  # Gemma 2/3: tanh soft-capping of the logits, as the HF LM head applies it
             logits = torch.tanh(logits / self.softcap) * self.softcap

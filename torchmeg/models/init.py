@@ -87,6 +87,14 @@ def open_uniform(z: torch.Tensor) -> torch.Tensor:
     return k.to(torch.float64).add_(0.5).mul_(2.0 ** -52)
 
 
+def uniform(index: torch.Tensor, key: int) -> torch.Tensor:
+    """float64 uniforms strictly inside (0, 1), each a pure function of (key, its index): the same
+    counter-based draws as the weights', for whoever needs randomness that does not depend on how
+    the work is batched or split (generation's sampling)."""
+    index = index.to(torch.int64).clone()
+    return open_uniform(_bits(index, _key(key), torch.empty_like(index)))
+
+
 def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch.Tensor:
     """Fill `out`, the block of a full tensor of `full_shape` starting at `offset` (one index per
     dim), with what `rule` gives those elements under per-parameter `seed`."""

@@ -60,13 +60,17 @@ def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
     """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does.
 
     positions: the absolute position of each of the L tokens (default 0..L-1), e.g. when the
-    sequence is split across devices.
+    sequence is split across devices. Tables of shape [B, L, D/2] are already gathered at every
+    row's own positions (generation: a batch of left-padded prompts, see Llama.forward).
     """
     B, L, H, D = x_BLHD.shape
     x = x_BLHD.float().reshape(B, L, H, D // 2, 2)
-    if positions_L is not None:
-        cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
-    c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
+    if cos_LD.dim() == 3:
+        c, s = cos_LD.view(B, L, 1, D // 2), sin_LD.view(B, L, 1, D // 2)
+    else:
+        if positions_L is not None:
+            cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
+        c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
     out = torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c), dim=-1)
     return out.reshape(B, L, H, D).type_as(x_BLHD)
 
@@ -103,14 +107,15 @@ class Attention(nn.Module):
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
     def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
         k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
-        o_BHLD = self.sdpa(q, k, v)
+        # Generation: attend over this layer's KV cache (torchmeg.models.kv_cache) instead.
+        o_BHLD = self.sdpa(q, k, v) if cache is None else cache.attend(q, k, v)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -135,8 +140,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden)
 
-    def forward(self, x, cos, sin, positions=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions)
+    def forward(self, x, cos, sin, positions=None, cache=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -174,10 +179,17 @@ class Llama(nn.Module):
             return Normal(a.dim ** -0.5)
         return Normal(a.init_std)
 
-    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin, positions=positions)
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None and positions.dim() == 2:  # every row its own positions: gathered once
+            cos, sin, positions = cos[positions], sin[positions], None
+        for name, layer in self.layers.items():
+            if cache is None:
+                h = layer(h, cos, sin, positions=positions)
+            else:
+                h = layer(h, cos, sin, positions=positions, cache=cache.layer(name))
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
