@@ -38,12 +38,12 @@ def _fails(capsys, argv, *must_contain):
     ("--data.dataset=/nonexistent/corpus", ["data.dataset", "/nonexistent/corpus", "preprocess_data"]),
     ("--data.tokenizer=/nonexistent/tok.json", ["data.tokenizer", "/nonexistent/tok.json", "byte"]),
     ("--data.seq_len=100000", ["data.seq_len", "100000", "max_seq_len"]),
-    ("--checkpoint.export_hf=true", ["checkpoint.export_hf", "checkpoint.enable = true"]),
+    (["--checkpoint.export_hf=true", "--checkpoint.enable=false"], ["checkpoint.export_hf", "checkpoint.enable = true"]),
     ("--optimizer.betas=[0.9]", ["optimizer.betas", "two numbers"]),
     ("--data.weights=[1.0, 2.0]", ["data.weights", "one per"]),
 ])
 def test_bad_override(capsys, override, words):
-    _fails(capsys, ["--config", RECIPE, override], *words)
+    _fails(capsys, ["--config", RECIPE] + (override if isinstance(override, list) else [override]), *words)
 
 
 def test_bad_toml_names_line(tmp_path, capsys):

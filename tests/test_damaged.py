@@ -177,7 +177,7 @@ def _truncate(path, keep):
     ("truncate_bin", ".bin", "truncated"),
     ("extra_bin", ".bin", "extra bytes"),
     ("truncate_idx", ".idx", "truncated"),
-    ("magic", ".idx", "bad magic"),
+    ("magic", ".idx", "is neither Megatron's"),
     ("dtype", ".idx", "dtype code"),
     ("offsets", ".idx", "monotonically"),
     ("ids", ".bin", "outside the vocabulary"),
@@ -244,6 +244,6 @@ def test_preprocess_can_skip_bad_records(tmp_path):
                         str(tmp_path / "c"), "--on-bad-record", "skip"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and "skipped 2 bad record(s)" in p.stderr and "in.jsonl:3: not JSON" in p.stderr
-    from torchmeg.data.store import Store
-    s = Store(str(tmp_path / "c"))
+    from torchmeg.data.store import open_store
+    s = open_store(str(tmp_path / "c"))
     assert s.n_docs == 2 and s.n_tokens == len("one") + len("two") + 2

@@ -36,6 +36,18 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+def cross_entropy_masked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """data.mask_eod_loss: the sum over the positions that are targets, divided by all positions.
+    Dividing by every position (not only the targets) keeps each microbatch's weight the same
+    under every layout, with no token count to exchange; the masked share (one position per
+    document) shrinks the loss by that fraction."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / labels.numel()
+
+
+def loss_function(cfg) -> Callable:
+    return cross_entropy_masked if cfg.data.mask_eod_loss else cross_entropy
+
+
 @dataclass
 class BuiltModel:
     model: nn.Module            # this rank's model (a StageUnion of its pipeline stages under PP)
@@ -50,7 +62,7 @@ class BuiltModel:
 
 
 def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
-                         loss_fn: Callable = cross_entropy, schedule: bool = True,
+                         loss_fn: Callable | None = None, schedule: bool = True,
                          storage=contextlib.nullcontext) -> BuiltModel:
     spec, dims = layout.spec, layout.dims
     whole = instantiate(spec, layout.args, "meta")
@@ -74,7 +86,7 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
     pipe = None
     if schedule:
         pipe = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
-                                 loss_fn, st.schedule)
+                                 loss_fn or loss_function(cfg), st.schedule)
     desc = f"stages {ids} of {st.n_stages} ({list(st.layers)} layers), {st.schedule}"
     if dims.fsdp > 1 and st.schedule in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
         desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
@@ -102,6 +114,7 @@ class ModelStep:
 
     @classmethod
     def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
+        """`loss_fn`: build.loss_function(cfg), or a compiled one (the schedule has its own)."""
         return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel, layout.accum,
                    mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
                    mesh["pp"].get_group())
@@ -110,6 +123,11 @@ class ModelStep:
         """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
         t = t.to(self.device)
         return shard_sequence(t, self.cp_rank, self.cp) if self.cp > 1 else t
+
+    def extra(self, batch) -> dict:
+        """The model's keyword inputs of a batch: document numbers under document masking, whole
+        (context parallel picks its chunks' own; positions come from them)."""
+        return {"documents": batch[2].to(self.device)} if len(batch) > 2 else {}
 
     def loss_context(self):
         return loss_parallel_ctx() if self.loss_parallel else contextlib.nullcontext()
@@ -126,13 +144,13 @@ def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) 
     if ms.schedule is not None:  # the schedule runs every microbatch itself
         return pipeline_step(ms, batches, train=True)
     loss_sum = torch.zeros((), device=ms.device)
-    for m, (inputs, labels) in enumerate(batches):
-        inputs, labels = ms.local(inputs), ms.local(labels)
+    for m, batch in enumerate(batches):
+        inputs, labels = ms.local(batch[0]), ms.local(batch[1])
         if hasattr(ms.model, "set_requires_gradient_sync"):
             # Reduce gradients once, after the last microbatch.
             ms.model.set_requires_gradient_sync(m == ms.accum - 1)
         with ms.loss_context():
-            loss = ms.loss_fn(ms.model(inputs), labels) / ms.accum
+            loss = ms.loss_fn(ms.model(inputs, **ms.extra(batch)), labels) / ms.accum
             if loss_hook is not None:
                 loss = loss_hook(loss)
             loss.backward()
@@ -148,6 +166,8 @@ def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
     losses = []
     args = (inputs,) if ms.has_first else ()
     kw = {"target": labels, "losses": losses} if ms.has_last else {}
+    if len(batches[0]) > 2:  # every stage takes the document numbers (split into microbatches by torch)
+        kw["documents"] = torch.cat([b[2] for b in batches]).to(ms.device)
     (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
     loss = torch.stack([x.detach().float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
     dist.all_reduce(loss, group=ms.pp_group)
@@ -160,7 +180,7 @@ def eval_step(ms: ModelStep, batches, total: torch.Tensor) -> None:
     if ms.schedule is not None:
         total += pipeline_step(ms, batches, train=False)
         return
-    for inputs, labels in batches:
+    for batch in batches:
         with ms.loss_context():
-            loss = ms.loss_fn(ms.model(ms.local(inputs)), ms.local(labels))
+            loss = ms.loss_fn(ms.model(ms.local(batch[0]), **ms.extra(batch)), ms.local(batch[1]))
         total += _scalar(loss).float() / ms.accum

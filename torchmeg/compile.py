@@ -41,7 +41,8 @@ def isa_tag() -> str:
     return f"{tag}-onednn-{onednn}" if onednn else tag
 
 
-def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_path: str = "") -> int:
+def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_path: str = "",
+                   documents: bool = False) -> int:
     """Compile every block in place; returns how many. No blocks is an error: compiling nothing
     while compile.enable = true would be a silent no-op."""
     found = blocks(model, blocks_path)
@@ -50,11 +51,11 @@ def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_
                          "Sequential of layers in the model); name them with model.blocks / parallelize(blocks=...)")
     for block in found:
         # In place (nn.Module.compile): parameter names stay as the model wrote them. Dropless MoE
-        # routing sizes each expert's slice from the data, and context-parallel attention talks to
-        # its peers (both graph breaks), so those blocks compile in pieces; every other block must
-        # compile whole.
+        # routing sizes each expert's slice from the data, context-parallel attention talks to its
+        # peers and document masking cuts attention where the data's documents end (all graph
+        # breaks), so those blocks compile in pieces; every other block must compile whole.
         moe = any(is_grouped_experts(m) for m in block.modules())
-        block.compile(fullgraph=not (moe or cp))
+        block.compile(fullgraph=not (moe or cp or documents))
     if tp and getattr(model, "tok_embeddings", None) is not None:
         # A compiled TP block fed straight from the TP embedding fails in backward
         # ('Tensor' object has no attribute '_local_tensor'); a clone of the embedding output

@@ -66,6 +66,10 @@ class Data:
     num_workers: int = _f(0, lo=0)
     val_fraction: float = _f(0.005, lo=0.0, hi=0.5, help="held-out share of the samples")
     cache_dir: str = _f("", help="where built-in datasets are cached; '' = $TORCHMEG_CACHE or ~/.cache/torchmeg")
+    document_masking: bool = _f(False, help="attention stays within each document of a window and positions "
+                                           "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
+    mask_eod_loss: bool = _f(False, help="no loss on predicting a document's first token from the previous "
+                                        "document's end (Megatron's --eod-mask-loss)")
 
 
 @dataclass

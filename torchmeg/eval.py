@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torchmeg import guard, runtime
-from torchmeg.build import ModelStep, eval_step
+from torchmeg.build import ModelStep, eval_step, loss_function
 from torchmeg.config import load_config
 from torchmeg.data.dataset import TokenDataset
 from torchmeg.data.loader import build_loader, open_stores
@@ -57,8 +57,9 @@ def run(prepared) -> None:
     a, cfg, layout = prepared
     loaded = load_trained(cfg, layout)
     rank, mesh = dist.get_rank(), loaded.mesh
-    dataset = TokenDataset(open_stores(cfg, loaded.tokenizer), cfg.data.weights, cfg.data.seq_len, cfg.job.seed,
-                           a.split, cfg.data.val_fraction)
+    d = cfg.data
+    dataset = TokenDataset(open_stores(cfg, loaded.tokenizer), d.weights, d.seq_len, cfg.job.seed, a.split,
+                           d.val_fraction, documents=d.document_masking, mask_eod=d.mask_eod_loss)
     full = dataset.n_unique // layout.global_batch
     steps = a.steps or full
     if steps < 1 or steps > full:
@@ -68,7 +69,7 @@ def run(prepared) -> None:
                           f"{layout.global_batch}; lower training.local_batch_size")
     loader = build_loader(dataset, layout.local_batch, layout.dims.dp, mesh["dp"].get_local_rank(), layout.accum,
                           0, steps)
-    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device)
+    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device, loss_function(cfg))
     total, it, t0 = torch.zeros((), device=loaded.device), iter(loader), time.perf_counter()
     for s in range(steps):
         eval_step(ms, [next(it) for _ in range(layout.accum)], total)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchmeg import __version__, guard, runtime
-from torchmeg.build import ModelStep, build_parallel_model, cross_entropy, eval_step, forward_backward
+from torchmeg.build import ModelStep, build_parallel_model, eval_step, forward_backward, loss_function
 from torchmeg.checkpoint import CheckpointManager, all_finite
 from torchmeg.compile import compile_loss
 from torchmeg.data.loader import build_dataset, build_loader, open_stores
@@ -92,9 +92,9 @@ class Trainer:
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
         self.expert_params = [p for m in expert_modules(self.model) for p in m.parameters()] if self.dims.ep > 1 else []
         self.router_stats = {}
-        loss_fn = cross_entropy
+        loss_fn = loss_function(cfg)
         if cfg.compile.enable and "loss" in cfg.compile.components:
-            loss_fn = compile_loss(cross_entropy, cfg.compile.cache_dir)
+            loss_fn = compile_loss(loss_fn, cfg.compile.cache_dir)
         self.step_fn = ModelStep.of(built, layout, self.mesh, self.device, loss_fn)
 
     def _build_optimizer(self) -> None:

@@ -20,6 +20,7 @@ from torchmeg.checkpoint_folder import check_folder
 from torchmeg.hf import check_initial_load
 from torchmeg.layout import Layout, StagePlan
 from torchmeg.models.args import check_model_args, model_args
+from torchmeg.models.attention import check_document_masking
 from torchmeg.models.spec import get_spec
 from torchmeg.parallel import context, expert, pipeline
 from torchmeg.parallel.dims import ParallelDims
@@ -44,6 +45,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     p = cfg.parallelism
     pipeline.check_splittable(spec.name, spec.pipeline, p.pipeline_parallel_degree)
     context.check_model_has_attention(spec.name, spec.context_parallel, p.context_parallel_degree)
+    check_document_masking(cfg, spec.context_parallel)
     check_initial_load(cfg, spec.hf_native)
     check_model_args(cfg, spec, args, vocab)
 

@@ -9,7 +9,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from torchmeg.data.store import Store
+from torchmeg.data.shuffle import Permutation, epoch_key
+
+IGNORE = -100  # a label the loss skips (F.cross_entropy's ignore_index)
 
 
 class PackedWindows:
@@ -20,7 +22,7 @@ class PackedWindows:
     is every window (evaluating a whole store).
     """
 
-    def __init__(self, store: Store, seq_len: int, split: str, val_fraction: float):
+    def __init__(self, store, seq_len: int, split: str, val_fraction: float):
         self.store, self.seq_len = store, seq_len
         n = (store.n_tokens - 1) // seq_len
         n_val = max(1, int(n * val_fraction)) if val_fraction > 0 else 0
@@ -35,23 +37,37 @@ class PackedWindows:
         start = (self.first + j) * self.seq_len
         return np.asarray(self.store.tokens[start:start + self.seq_len + 1], dtype=np.int64)
 
+    def documents(self, j: int) -> np.ndarray:
+        """[L + 1] the document number (0, 1, ...) of each token of window j, from the store's index."""
+        start = (self.first + j) * self.seq_len
+        starts = self.store.doc_starts(start + 1, start + self.seq_len + 1)
+        return np.searchsorted(starts, np.arange(start, start + self.seq_len + 1), side="right")
+
 
 class Shuffled:
-    """Endless epochs over windows, each epoch a permutation seeded by (seed, epoch)."""
+    """Endless epochs over windows, each epoch a permutation keyed by (seed, epoch): a Feistel
+    bijection computed per index (torchmeg.data.shuffle), so no epoch-sized array exists."""
 
-    def __init__(self, windows: PackedWindows, seed: int, shuffle: bool = True):
+    def __init__(self, windows, seed: int, shuffle: bool = True):
         self.w, self.seed, self.shuffle = windows, seed, shuffle
         self._epoch, self._perm = -1, None
 
-    def get(self, i: int) -> np.ndarray:
+    def index(self, i: int) -> int:
+        """Which window global sample i reads."""
         n = len(self.w)
         epoch, pos = divmod(i, n)
         if not self.shuffle:
-            return self.w.window(pos)
+            return pos
         if epoch != self._epoch:
-            self._perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(n)
-            self._epoch = epoch
-        return self.w.window(int(self._perm[pos]))
+            self._perm, self._epoch = Permutation(n, epoch_key(self.seed, epoch)), epoch
+        return self._perm(pos)
+
+    def get(self, i: int) -> np.ndarray:
+        return self.w.window(self.index(i))
+
+    def locate(self, i: int):
+        """(the windows, the window index) global sample i reads."""
+        return self.w, self.index(i)
 
 
 class Blend:
@@ -72,7 +88,8 @@ class Blend:
         self.quota = quota
         self._b, self._src, self._idx = -1, None, None
 
-    def get(self, i: int) -> np.ndarray:
+    def _pick(self, i: int):
+        """(the source global sample i comes from, its index within that source)."""
         b, j = divmod(i, self.block)
         if b != self._b:
             src = np.repeat(np.arange(len(self.sources)), self.quota)
@@ -82,14 +99,28 @@ class Blend:
                 sel = src == d
                 idx[sel] = b * self.quota[d] + np.arange(sel.sum())
             self._b, self._src, self._idx = b, src, idx
-        return self.sources[int(self._src[j])].get(int(self._idx[j]))
+        return self.sources[int(self._src[j])], int(self._idx[j])
+
+    def get(self, i: int) -> np.ndarray:
+        source, k = self._pick(i)
+        return source.get(k)
+
+    def locate(self, i: int):
+        source, k = self._pick(i)
+        return source.locate(k)
 
 
 class TokenDataset(Dataset):
-    """Map-style view: global sample index -> (inputs [L], labels [L])."""
+    """Map-style view: global sample index -> (inputs [L], labels [L]), or with `documents`
+    (document masking) (inputs, labels, documents [L]): the document number of every input token,
+    for attention that stays within documents and positions that restart at each. `mask_eod`:
+    the prediction made at a document's last token (the first token of the next one) is not a
+    training target (label IGNORE; Megatron-LM's --eod-mask-loss)."""
 
-    def __init__(self, stores: list[Store], weights: list[float], seq_len: int, seed: int,
-                 split: str = "train", val_fraction: float = 0.005):
+    def __init__(self, stores: list, weights: list[float], seq_len: int, seed: int,
+                 split: str = "train", val_fraction: float = 0.005, documents: bool = False,
+                 mask_eod: bool = False):
+        self.documents, self.mask_eod = documents, mask_eod
         shuffle = split == "train"
         parts = [Shuffled(PackedWindows(s, seq_len, split, val_fraction), seed * 1009 + k, shuffle)
                  for k, s in enumerate(stores)]
@@ -100,8 +131,15 @@ class TokenDataset(Dataset):
         self.n_unique = sum(len(p.w) for p in parts)
 
     def __getitem__(self, i: int):
-        t = torch.from_numpy(self.src.get(int(i)))
-        return t[:-1], t[1:]
+        if not (self.documents or self.mask_eod):
+            t = torch.from_numpy(self.src.get(int(i)))
+            return t[:-1], t[1:]
+        windows, j = self.src.locate(int(i))
+        t, docs = torch.from_numpy(windows.window(j)), torch.from_numpy(windows.documents(j))
+        labels = t[1:]
+        if self.mask_eod:  # the label begins another document
+            labels = labels.masked_fill(docs[1:] != docs[:-1], IGNORE)
+        return (t[:-1], labels, docs[:-1]) if self.documents else (t[:-1], labels)
 
     def __len__(self):  # endless in principle; a large bound keeps torch's utilities happy
         return 2 ** 62

@@ -7,18 +7,18 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchmeg.data.dataset import StepSampler, TokenDataset
 from torchmeg.data.sources import BUILTIN, dataset_list, resolve
-from torchmeg.data.store import Store
+from torchmeg.data.store import open_store
 from torchmeg.errors import ConfigError, StoreError
 
 # torchdata's loader logs a harmless deprecation notice (set_vital) that would bury the log.
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 
-def open_stores(cfg, tokenizer) -> list[Store]:
+def open_stores(cfg, tokenizer) -> list:
     stores = []
     for n in dataset_list(cfg):
         try:
-            stores.append(Store(resolve(n, tokenizer, cfg)))
+            stores.append(open_store(resolve(n, tokenizer, cfg)))
         except StoreError as e:
             fix = "; delete those files and the cache is rebuilt" if n in BUILTIN else ""
             raise ConfigError(f"data.dataset = {n!r}: {e}{fix}") from None
@@ -26,7 +26,9 @@ def open_stores(cfg, tokenizer) -> list[Store]:
 
 
 def build_dataset(cfg, stores, split: str) -> TokenDataset:
-    return TokenDataset(stores, cfg.data.weights, cfg.data.seq_len, cfg.job.seed, split, cfg.data.val_fraction)
+    d = cfg.data
+    return TokenDataset(stores, d.weights, d.seq_len, cfg.job.seed, split, d.val_fraction,
+                        documents=d.document_masking, mask_eod=d.mask_eod_loss)
 
 
 def build_loader(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, start_step: int, steps: int,

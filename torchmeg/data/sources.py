@@ -34,7 +34,7 @@ def stdlib_files() -> list[str]:
 
 def _stdlib_prefix(tokenizer, cfg) -> str:
     tag = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return os.path.join(cache_dir(cfg), f"python_stdlib-{tag}-{tokenizer.fingerprint()}")
+    return os.path.join(cache_dir(cfg), f"python_stdlib-{tag}-{tokenizer.fingerprint()}-megatron")
 
 
 def build_stdlib(tokenizer, cfg=None) -> str:
@@ -42,7 +42,7 @@ def build_stdlib(tokenizer, cfg=None) -> str:
     prefix = _stdlib_prefix(tokenizer, cfg)
     if store_mod.exists(prefix):
         return prefix
-    writer = store_mod.StoreWriter(prefix + f".{os.getpid()}", tokenizer.vocab_size)
+    writer = store_mod.make_writer(prefix + f".{os.getpid()}", tokenizer.vocab_size)
     files = stdlib_files()
     for i in range(0, len(files), 256):
         texts = []
@@ -92,11 +92,16 @@ def check_data_config(cfg) -> None:
             raise ConfigError(f"data.dataset = {n!r}: no {prefix}.bin/.idx found; write one with "
                               f"tools/preprocess_data.py or use \"python_stdlib\"")
         try:
-            s = store_mod.Store(prefix)
+            s = store_mod.open_store(prefix)
+            if s.vocab_size is not None and s.vocab_size != tok.vocab_size:
+                raise ConfigError(f"data.dataset = {n!r}: written with a {s.vocab_size}-token tokenizer but "
+                                  f"data.tokenizer = {cfg.data.tokenizer!r} has {tok.vocab_size}; use the tokenizer "
+                                  f"it was made with")
+            if s.vocab_size is None:  # a Megatron index does not say: every id must fit the tokenizer
+                store_mod.check_token_ids(s.tokens, tok.vocab_size, prefix + ".bin")
         except StoreError as e:
-            raise ConfigError(f"data.dataset = {n!r}: {e}") from None
-        if s.vocab_size != tok.vocab_size:
-            raise ConfigError(f"data.dataset = {n!r}: written with a {s.vocab_size}-token tokenizer but data.tokenizer "
-                              f"= {cfg.data.tokenizer!r} has {tok.vocab_size}; use the tokenizer it was made with")
+            hint = (f"; use the tokenizer it was made with (data.tokenizer = {cfg.data.tokenizer!r} has "
+                    f"{tok.vocab_size} tokens)" if "outside the vocabulary" in str(e) else "")
+            raise ConfigError(f"data.dataset = {n!r}: {e}{hint}") from None
         if s.n_tokens < 2 * (cfg.data.seq_len + 1):
             raise ConfigError(f"data.dataset = {n!r}: only {s.n_tokens} tokens, too few for data.seq_len = {cfg.data.seq_len}")

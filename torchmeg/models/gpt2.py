@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.attention import document_positions
 from torchmeg.models.init import Constant, Normal
 from torchmeg.models.llama import DECODER_TP, causal_attention
 
@@ -51,10 +52,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(a.dim, a.dim, bias=a.bias)
         self.wo = nn.Linear(a.dim, a.dim, bias=a.bias)
 
-    def forward(self, x_BLE: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, x_BLE: torch.Tensor, cache=None, documents=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         q, k, v = (w(x_BLE).view(B, L, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        o = self.sdpa(q, k, v) if cache is None else cache.attend(q, k, v)  # generation: the KV cache
+        if cache is not None:  # generation: the KV cache
+            o = cache.attend(q, k, v)
+        else:
+            o = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -76,8 +80,8 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(a.dim, eps=a.norm_eps, bias=a.bias)
         self.feed_forward = MLP(a)
 
-    def forward(self, x, cache=None):
-        x = x + self.attention(self.attention_norm(x), cache=cache)
+    def forward(self, x, cache=None, documents=None):
+        x = x + self.attention(self.attention_norm(x), cache=cache, documents=documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -106,15 +110,22 @@ class GPT2(nn.Module):
             return Normal(a.init_std / math.sqrt(2 * a.n_layers))
         return Normal(a.init_std)
 
-    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache)."""
+    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache);
+        document masking passes `documents` [B, L] (models.attention): positions restart per document."""
+        if documents is not None and positions is None:
+            positions = document_positions(documents)
         if self.tok_embeddings is not None:
             pos = positions if positions is not None else torch.arange(tokens_BL.shape[1], device=tokens_BL.device)
             h = self.tok_embeddings(tokens_BL) + self.pos_embeddings(pos)
         else:
             h = tokens_BL
         for name, layer in self.layers.items():
-            h = layer(h) if cache is None else layer(h, cache=cache.layer(name))
+            if cache is not None:
+                h = layer(h, cache=cache.layer(name))
+            else:
+                h = layer(h) if documents is None else layer(h, documents=documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

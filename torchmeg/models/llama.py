@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchmeg.models.attention import document_attention, document_positions
 from torchmeg.models.init import Constant, Normal
 
 
@@ -85,9 +86,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def causal_attention(q_BHLD, k_BKLD, v_BKLD):
-    """The attention kernel contract: q with H heads, k/v with K heads (K divides H; GQA).
+def causal_attention(q_BHLD, k_BKLD, v_BKLD, documents=None):
+    """The attention kernel contract: q with H heads, k/v with K heads (K divides H; GQA); with
+    `documents` [B, L] (document masking) attention stays within each document.
     A kernel repeats K/V as late as it can: a context-parallel one only after its exchange."""
+    if documents is not None:
+        return document_attention(q_BHLD, k_BKLD, v_BKLD, documents)
     rep = q_BHLD.shape[1] // k_BKLD.shape[1]
     if rep > 1:  # GQA: each kv head serves `rep` query heads
         k_BKLD, v_BKLD = k_BKLD.repeat_interleave(rep, dim=1), v_BKLD.repeat_interleave(rep, dim=1)
@@ -107,7 +111,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
     def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, cache=None, documents=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
         q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
@@ -115,7 +119,10 @@ class Attention(nn.Module):
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
         # Generation: attend over this layer's KV cache (torchmeg.models.kv_cache) instead.
-        o_BHLD = self.sdpa(q, k, v) if cache is None else cache.attend(q, k, v)
+        if cache is not None:
+            o_BHLD = cache.attend(q, k, v)
+        else:
+            o_BHLD = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -140,8 +147,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden)
 
-    def forward(self, x, cos, sin, positions=None, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, cache=cache)
+    def forward(self, x, cos, sin, positions=None, cache=None, documents=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, cache=cache, documents=documents)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -179,17 +186,24 @@ class Llama(nn.Module):
             return Normal(a.dim ** -0.5)
         return Normal(a.init_std)
 
-    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache)."""
+    def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache);
+        document masking passes `documents` [B, L] (models.attention), positions restarting at each
+        document unless given (context parallel gives its shard's)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
+        if documents is not None and positions is None:
+            positions = document_positions(documents)
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None and positions.dim() == 2:  # every row its own positions: gathered once
             cos, sin, positions = cos[positions], sin[positions], None
         for name, layer in self.layers.items():
-            if cache is None:
-                h = layer(h, cos, sin, positions=positions)
-            else:
+            if cache is not None:
                 h = layer(h, cos, sin, positions=positions, cache=cache.layer(name))
+            elif documents is not None:
+                h = layer(h, cos, sin, positions=positions, documents=documents)
+            else:
+                h = layer(h, cos, sin, positions=positions)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

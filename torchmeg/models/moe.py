@@ -149,8 +149,8 @@ class MoEBlock(nn.Module):
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden) if dense else None
         self.moe = None if dense else MoE(a)
 
-    def forward(self, x, cos, sin, positions=None, cache=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, cache=cache)
+    def forward(self, x, cos, sin, positions=None, cache=None, documents=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, positions=positions, cache=cache, documents=documents)
         h = self.ffn_norm(x)
         return x + (self.feed_forward(h) if self.moe is None else self.moe(h))
 

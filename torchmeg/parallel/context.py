@@ -33,10 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import (all_gather_tensor, all_to_all_single_autograd,
-                                                       reduce_scatter_tensor)
+from torch.distributed._functional_collectives import (all_gather_tensor, all_gather_tensor_autograd,
+                                                       all_to_all_single_autograd, reduce_scatter_tensor)
 
 from torchmeg.errors import ConfigError
+from torchmeg.models.attention import document_attention, document_positions
 
 MODES = ("allgather", "ring", "alltoall")
 
@@ -263,8 +264,31 @@ class BlockAttention:
         self.ring = mode == "ring"
 
     @torch._dynamo.disable  # communication inside: a graph break around it under torch.compile
-    def __call__(self, q_BHLD, k_BKLD, v_BKLD):
+    def __call__(self, q_BHLD, k_BKLD, v_BKLD, documents=None):
+        if documents is not None:
+            return self._documents(q_BHLD, k_BKLD, v_BKLD, documents)
         return _BlockAttention.apply(q_BHLD, k_BKLD, v_BKLD, self.peers, self.ring)
+
+    def _documents(self, q_BHLD, k_BKLD, v_BKLD, documents_BS):
+        """Document masking (allgather mode): K/V of the whole window gathered (autograd: their
+        gradients reduce-scatter back), then each local chunk's queries attend within their
+        documents over the window's keys (torchmeg.models.attention)."""
+        p = self.peers
+        k_all, v_all = (_whole_window(x, p.group, p.size) for x in (k_BKLD, v_BKLD))
+        c = q_BHLD.shape[2] // 2
+        outs = [document_attention(q_BHLD[:, :, i * c:(i + 1) * c], k_all, v_all, documents_BS, chunk * c)
+                for i, chunk in enumerate(chunk_ids(p.rank, p.size))]
+        return torch.cat(outs, dim=2)
+
+
+def _whole_window(x_BKLD, group, cp: int):
+    """[B, K, L/cp, D] chunk pairs of every cp rank -> [B, K, L, D] in sequence order."""
+    B, K, Ll, D = x_BKLD.shape
+    y = all_gather_tensor_autograd(x_BKLD.unsqueeze(0).contiguous(), 0, group)  # [cp, B, K, Ll, D]
+    chunks = y.reshape(cp, B, K, 2, Ll // 2, D).permute(1, 2, 0, 3, 4, 5).reshape(B, K, 2 * cp, Ll // 2, D)
+    held = [j for r in range(cp) for j in chunk_ids(r, cp)]
+    order = sorted(range(2 * cp), key=lambda i: held[i])
+    return chunks[:, :, order].reshape(B, K, cp * Ll, D)
 
 
 class UlyssesAttention:
@@ -296,10 +320,12 @@ class UlyssesAttention:
         y = all_to_all_single_autograd(x, None, None, self.group)  # [cp(src = head group), B, hc, Ll, D]
         return y.permute(1, 0, 2, 3, 4).reshape(B, cp * hc, L // cp, D)
 
-    def __call__(self, q_BHLD, k_BKLD, v_BKLD):
+    def __call__(self, q_BHLD, k_BKLD, v_BKLD, documents=None):
         q, k, v = self._to_heads(q_BHLD), self._to_heads(k_BKLD), self._to_heads(v_BKLD)
         rep = q.shape[1] // k.shape[1]
         PairCounter.add(q, k, True)
+        if documents is not None:  # the whole window, in order, per head group: as on one device
+            return self._to_sequence(document_attention(q, k, v, documents))
         o = F.scaled_dot_product_attention(q, _repeat_kv(k, rep), _repeat_kv(v, rep), is_causal=True)
         return self._to_sequence(o)
 
@@ -319,7 +345,11 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
 
     def add_positions(mod, args, kwargs):
         kwargs = dict(kwargs)
-        kwargs["positions"] = positions(args[0].shape[1], rank, size, args[0].device)
+        docs = kwargs.get("documents")
+        if docs is not None:  # document masking: positions restart per document; this rank's chunks of them
+            kwargs["positions"] = shard_sequence(document_positions(docs), rank, size)
+        else:
+            kwargs["positions"] = positions(args[0].shape[1], rank, size, args[0].device)
         return args, kwargs
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
     return n
@@ -336,6 +366,10 @@ def check_model_has_attention(model_name: str, has_sdpa: bool, cp: int) -> None:
 def check(cfg, args, dims) -> None:
     cp, tp = dims.cp, dims.tp
     mode = cfg.parallelism.context_parallel_mode
+    if mode == "ring" and cfg.data.document_masking:
+        raise ConfigError("parallelism.context_parallel_mode = \"ring\" with data.document_masking = true: not "
+                          "supported (the ring passes K/V blocks without their documents); use \"allgather\" or "
+                          "\"alltoall\"")
     unit = 2 * cp * (tp if tp > 1 and cfg.parallelism.sequence_parallel else 1)
     if cfg.data.seq_len % unit:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len}: context parallel {cp} needs a multiple of {unit} "

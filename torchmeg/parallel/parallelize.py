@@ -86,7 +86,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:
         setup(cfg.compile.cache_dir)
-        report["compiled_blocks"] = compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1, blocks_path=path)
+        report["compiled_blocks"] = compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1, blocks_path=path,
+                                                   documents=cfg.data.document_masking)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
     if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):

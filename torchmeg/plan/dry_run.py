@@ -14,6 +14,8 @@ from its parts: one microbatch's forward and backward per stage, measured the sa
 schedule's own action order (pipeline_order) says how many microbatches' activations are held at
 once. compile is off in a dry run (inductor does not trace fake-mode parameters); it changes no
 parameter, gradient or optimizer byte and lowers activation memory a little, so the plan errs high.
+Document masking (data.document_masking) is planned as one document per window: where documents
+end depends on the data, and shorter ones attend to fewer keys, so attention FLOPs err high too.
 """
 from __future__ import annotations
 

@@ -1,0 +1,76 @@
+"""Document-aware causal attention: a window packing documents A|B|C attends within each document
+only, as if each ran alone (Megatron-LM's --reset-attention-mask; torchtitan's document masking).
+
+`documents` [B, S] numbers the documents of each row of the window (0, 0, 1, 1, 1, 2, ...). No S x S
+mask is built: each document's queries attend to its own keys through the fused SDPA kernels, one
+call per (row, document) piece; rows holding a single document run as one batched call. A query
+block that starts inside a document (a context-parallel chunk) sees that document's earlier keys
+in full and its own block causally: SDPA with a lower-right causal bias (flash / memory-efficient
+kernels on CUDA; a mask of that piece's size on CPU).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from torchmeg.errors import ConfigError
+
+
+def check_document_masking(cfg, own_attention: bool) -> None:
+    """Document masking runs inside torchmeg's attention modules (their swappable `sdpa`)."""
+    if cfg.data.document_masking and not own_attention:
+        raise ConfigError(f"data.document_masking = true: masks attention in torchmeg's own attention modules; "
+                          f"model.name = {cfg.model.name!r} has none; set it to false")
+
+
+def document_positions(documents_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] each token's position within its own document (0 at a document's first token)."""
+    B, S = documents_BS.shape
+    idx = torch.arange(S, device=documents_BS.device).expand(B, S)
+    first = torch.ones_like(documents_BS, dtype=torch.bool)
+    first[:, 1:] = documents_BS[:, 1:] != documents_BS[:, :-1]
+    return idx - torch.where(first, idx, torch.zeros_like(idx)).cummax(dim=1).values
+
+
+def document_spans(documents_BS: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) of each document (one host read of the change points)."""
+    change = (documents_BS[:, 1:] != documents_BS[:, :-1]).nonzero().tolist()
+    S = documents_BS.shape[1]
+    cuts = [[0] for _ in range(documents_BS.shape[0])]
+    for b, j in change:
+        cuts[b].append(j + 1)
+    return [list(zip(c, c[1:] + [S])) for c in cuts]
+
+
+def document_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, documents_BS: torch.Tensor,
+                       q_start: int = 0) -> torch.Tensor:
+    """Causal attention within documents. The queries are tokens [q_start, q_start + L) of the
+    window, the keys and values all its S tokens (S = L, q_start = 0 outside context parallel)."""
+    L = q_BHLD.shape[2]
+    gqa = q_BHLD.shape[1] != k_BKSD.shape[1]
+    spans = document_spans(documents_BS)
+    whole = [b for b, sp in enumerate(spans) if len(sp) == 1 and q_start == 0 and L == k_BKSD.shape[2]]
+    rows: dict[int, torch.Tensor] = {}
+    if whole:  # rows with one document: one batched causal call
+        idx = torch.tensor(whole, device=q_BHLD.device)
+        out = F.scaled_dot_product_attention(q_BHLD[idx], k_BKSD[idx], v_BKSD[idx], is_causal=True, enable_gqa=gqa)
+        rows.update(zip(whole, out.unbind(0)))
+    for b, sp in enumerate(spans):
+        if b in rows:
+            continue
+        pieces = []
+        for ds, de in sp:
+            a, e = max(ds, q_start), min(de, q_start + L)
+            if a >= e:
+                continue  # this document has no queries in the block
+            q = q_BHLD[b:b + 1, :, a - q_start:e - q_start]
+            k, v = k_BKSD[b:b + 1, :, ds:e], v_BKSD[b:b + 1, :, ds:e]
+            if a == ds:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(e - a, e - ds),
+                                                   enable_gqa=gqa)
+            pieces.append(o)
+        rows[b] = torch.cat(pieces, dim=2)[0]
+    return torch.stack([rows[b] for b in range(len(spans))])
