@@ -45,13 +45,17 @@ def init_distributed(device: torch.device) -> None:
     if "RANK" in os.environ:
         kw = {"device_id": device} if device.type == "cuda" else {}
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        # torchrun's c10d rendezvous shares one TCPStore across restarts, and process-group keys
-        # are the same in every attempt: without a per-attempt prefix a restarted rank reads its
-        # dead peer's address ("connectFullMesh ... Connection refused"). Measured, torch 2.13.
+        # torchrun's c10d rendezvous shares its agent's TCPStore with the workers across restarts,
+        # and process-group keys are the same in every attempt: without a per-attempt prefix a
+        # restarted rank reads its dead peer's address ("connectFullMesh ... Connection refused";
+        # measured, torch 2.13). A store of our own (rank 0 hosts it: torchmeg.launch's default,
+        # which lets a replaced node rejoin) is fresh every attempt and needs none, and a replaced
+        # node's agent counts its restarts from 0 while its peers do not.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                               is_master=rank == 0 and not agent_store, timeout=timeout)
-        store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        if agent_store:
+            store = dist.PrefixStore(f"torchmeg/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **kw)
     else:
         store = dist.HashStore()
@@ -75,6 +79,13 @@ class StopFlag:
         return bool(t.item())
 
 
+def nodes() -> tuple[int, int, int]:
+    """(nodes in the job, ranks per node, this node's index) from torchrun's environment."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    return max(1, world // local), local, int(os.environ.get("GROUP_RANK", "0"))
+
+
 def inject_nan(step: int) -> bool:
     """Test hook: TORCHMEG_TEST_NAN_AT_STEP=N makes step N's loss NaN."""
     return os.environ.get("TORCHMEG_TEST_NAN_AT_STEP") == str(step)
@@ -91,4 +102,14 @@ def inject_kill(step: int, rank: int) -> None:
     if (os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step)
             and os.environ.get("TORCHMEG_TEST_KILL_RANK", "0") == str(rank)
             and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def inject_node_loss(step: int, fresh: bool) -> None:
+    """Test hook: TORCHMEG_TEST_KILL_NODE_AT_STEP=N (+ TORCHMEG_TEST_KILL_NODE, a GROUP_RANK, default
+    1): every worker of that node SIGKILLs its launcher agent and itself after step N: the node is
+    lost. Only in a run that started fresh: a resumed one (on a replacement node too) goes on."""
+    if (os.environ.get("TORCHMEG_TEST_KILL_NODE_AT_STEP") == str(step) and fresh
+            and os.environ.get("GROUP_RANK") == os.environ.get("TORCHMEG_TEST_KILL_NODE", "1")):
+        os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

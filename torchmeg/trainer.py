@@ -10,16 +10,17 @@ import contextlib
 import gc
 import math
 import os
+import socket
 import time
 
 import torch
 import torch.distributed as dist
 
-from torchmeg import __version__, guard, runtime
+from torchmeg import guard, runtime
 from torchmeg.build import ModelStep, build_parallel_model, eval_step, forward_backward, loss_function
 from torchmeg.checkpoint import CheckpointManager, all_finite
 from torchmeg.compile import compile_loss
-from torchmeg.data.loader import build_dataset, build_loader, open_stores
+from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepare_stores
 from torchmeg.data.sources import cache_dir
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.errors import ConfigError, LossSpikeError
@@ -27,14 +28,15 @@ from torchmeg.float8 import precompute_scales
 from torchmeg.hf import export_hf, load_hf_native
 from torchmeg.layout import Layout
 from torchmeg.metrics import MetricsLogger, format_line, model_state_bytes, peak_memory_gib
-from torchmeg.models.count import active_params, count_params, flops_per_token
+from torchmeg.models.count import flops_per_token
 from torchmeg.op_record import OpRecorder, write as write_op_record
 from torchmeg.optim import build_lr_scheduler, build_optimizer, clip_grads, grad_norm
 from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.peak import peak_flops, repair_peak
 from torchmeg.profiling import StepProfiler
-from torchmeg.runtime import StopFlag, inject_kill, inject_nan, inject_spike
+from torchmeg.run_header import header_lines
+from torchmeg.runtime import StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
 from torchmeg.spike import SpikeGuard, batch_samples
 from torchmeg.train_state import TrainState
 from torchmeg.validate import validate
@@ -67,11 +69,14 @@ class Trainer:
         self.pp_group = self.mesh["pp"].get_group()
 
     def _build_data(self) -> None:
-        """One builder per node prepares caches; the rest wait, then every rank opens them."""
+        """One builder per node prepares caches (and says where); the rest wait, then every rank opens them."""
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            open_stores(cfg, self.tokenizer)
+            notes = prepare_stores(cfg, self.tokenizer)
+            n_nodes, _, node = runtime.nodes()
+            if notes and (n_nodes > 1 or any(" built " in x for x in notes)):
+                print(f"[data] node {node} ({socket.gethostname()}), local rank 0: {'; '.join(notes)}", flush=True)
         dist.barrier()
         stores = open_stores(cfg, self.tokenizer)
         self.train_set = build_dataset(cfg, stores, "train")
@@ -266,6 +271,7 @@ class Trainer:
             preempted = stop.agreed()
             self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
             inject_kill(step, self.rank)
+            inject_node_loss(step, fresh=self.start_step == 0)
             if preempted:
                 if self.rank == 0:
                     print(f"SIGTERM: stopped after step {step}" + (", checkpoint saved" if self.ckpt else ""), flush=True)
@@ -356,35 +362,3 @@ class Trainer:
             setattr(self, name, None)
         gc.collect()
         runtime.end()
-
-
-def header_lines(tr: Trainer) -> list[str]:
-    """The run header rank 0 prints before step 1."""
-    c, d, layout, whole = tr.cfg, tr.dims, tr.layout, tr.built.whole
-    a = layout.args
-    n, dense, active = count_params(whole), count_params(whole, exclude_embeddings=True), active_params(whole)
-    if layout.spec.make_args is not None:  # e.g. hf/llama (LlamaForCausalLM from recipes/hf/x.json)
-        name = f"{c.model.name}/{a.model_type} ({getattr(whole, 'hf_class', type(whole).__name__)} from {c.model.hf_config})"
-    else:
-        name = f"{c.model.name}/{c.model.flavor}"
-    src = tr.train_set.src
-    n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
-    return [
-        f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
-        f"model      {name}: {n / 1e6:.2f}M params ({dense / 1e6:.2f}M non-embedding"
-        + (f", {active / 1e6:.2f}M active per token" if active != n else "")
-        + f"), {a.n_layers} layers, dim {a.dim}, heads {a.n_heads}/{a.kv_heads}, vocab {a.vocab_size}; "
-        f"{tr.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}",
-        f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
-        f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
-        f"layout     {d.describe()} | {tr.device.type} ({dist.get_backend()}) | {c.training.mixed_precision}"
-        + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
-        f"parallel   {tr.built.report}",
-        f"init       {tr.init_note}",
-        f"batch      {layout.local_batch} seq x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
-        f"seq = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
-        f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
-        f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
-        f"clip {c.training.max_norm:g}",
-        f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
-    ]

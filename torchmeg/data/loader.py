@@ -1,13 +1,14 @@
 """From a recipe's [data] section to batches: open the stores, build the datasets, the stateful loader."""
 from __future__ import annotations
 
+import time
 import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchmeg.data.dataset import StepSampler, TokenDataset
-from torchmeg.data.sources import BUILTIN, dataset_list, resolve
-from torchmeg.data.store import open_store
+from torchmeg.data.sources import BUILTIN, dataset_list, resolve, stdlib_prefix
+from torchmeg.data.store import exists, open_store
 from torchmeg.errors import ConfigError, StoreError
 
 # torchdata's loader logs a harmless deprecation notice (set_vital) that would bury the log.
@@ -23,6 +24,21 @@ def open_stores(cfg, tokenizer) -> list:
             fix = "; delete those files and the cache is rebuilt" if n in BUILTIN else ""
             raise ConfigError(f"data.dataset = {n!r}: {e}{fix}") from None
     return stores
+
+
+def prepare_stores(cfg, tokenizer) -> list[str]:
+    """Node-local work before any rank opens the stores: the built-in corpus tokenized into this
+    node's cache, once per node (local rank 0 calls this; the node's other ranks wait). -> one note
+    per built-in corpus: where it is, built now (and in how long) or found."""
+    notes = []
+    for n in dataset_list(cfg):
+        if n in BUILTIN:
+            prefix, t0 = stdlib_prefix(tokenizer, cfg), time.perf_counter()
+            had = exists(prefix)
+            resolve(n, tokenizer, cfg)
+            notes.append(f"{n} {'found' if had else f'built in {time.perf_counter() - t0:.1f} s'} at {prefix}")
+    open_stores(cfg, tokenizer)  # and every store opens (checked) here first
+    return notes
 
 
 def build_dataset(cfg, stores, split: str) -> TokenDataset:

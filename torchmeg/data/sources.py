@@ -32,14 +32,14 @@ def stdlib_files() -> list[str]:
     return out
 
 
-def _stdlib_prefix(tokenizer, cfg) -> str:
+def stdlib_prefix(tokenizer, cfg) -> str:
     tag = f"py{sys.version_info.major}{sys.version_info.minor}"
     return os.path.join(cache_dir(cfg), f"python_stdlib-{tag}-{tokenizer.fingerprint()}-megatron")
 
 
 def build_stdlib(tokenizer, cfg=None) -> str:
     """Tokenize the stdlib once into the cache (atomic; concurrent builders are harmless)."""
-    prefix = _stdlib_prefix(tokenizer, cfg)
+    prefix = stdlib_prefix(tokenizer, cfg)
     if store_mod.exists(prefix):
         return prefix
     writer = store_mod.make_writer(prefix + f".{os.getpid()}", tokenizer.vocab_size)

@@ -68,6 +68,36 @@ class ParallelDims:
         parts = [f"{n}={getattr(self, n)}" for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep") if getattr(self, n) > 1]
         return f"world {self.world_size}: " + (", ".join(parts) if parts else "single device")
 
+    # ---- where the ranks are: torchrun numbers each node's ranks contiguously ----
+    def strides(self) -> dict[str, int]:
+        """Rank distance between neighbours along each mesh dim and flattened view (tp innermost)."""
+        strides, s = {}, 1
+        for name in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+            strides[name] = s
+            s *= getattr(self, name)
+        strides.update(dp_shard_cp=strides["cp"], dp_cp=strides["cp"], dp=strides["dp_shard"],
+                       efsdp=strides["cp"], ep=strides["cp"])
+        return strides
+
+    @staticmethod
+    def group_within_node(ranks: int, stride: int, ranks_per_node: int) -> bool:
+        """Whether a group of `ranks` ranks `stride` apart lies inside one node (the fast links: NVLink
+        on a GPU node). The run asks with torchrun's LOCAL_WORLD_SIZE, the planner with its GPU's
+        node size: the same rule for both."""
+        return ranks * stride <= ranks_per_node
+
+    def node_split(self, ranks_per_node: int) -> str:
+        """One line: which parallel dims stay inside a node and which cross nodes."""
+        st, inside, across = self.strides(), [], []
+        for name in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
+            size = getattr(self, name)
+            if size > 1:
+                (inside if self.group_within_node(size, st[name], ranks_per_node) else across).append(f"{name} {size}")
+        line = (f"within a node: {', '.join(inside) or 'nothing'}; across nodes: {', '.join(across) or 'nothing'}")
+        if any(a.startswith(("tp", "cp")) for a in across):
+            line += " (tp/cp across nodes put every layer's collectives on the network: keep them inside a node)"
+        return line
+
     def uses_loss_parallel(self, p) -> bool:
         """Cross entropy on vocab-sharded logits (parallelism.loss_parallel under TP). Under PP the
         last stage's logits feed the schedule's loss, which takes them gathered."""

@@ -35,6 +35,8 @@ def parse(argv):
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None, help="world size (default: what the recipe's layout implies)")
     ap.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 (default: the recipe's plan.gpu, else h100)")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="ranks per node (default: the GPU's usual node, 8): groups inside a node use its fast links")
     ap.add_argument("--search", action="store_true", help="rank other layouts of the same world that fit")
     ap.add_argument("--top", type=int, default=8, help="layouts shown by --search")
     ap.add_argument("--limit", type=int, default=24, help="layouts --search plans at most (each is a dry run)")
@@ -90,9 +92,9 @@ def main(argv=None) -> int:
         if gpu not in GPUS:
             raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)}")
         if a.search:
-            result = search(cfg, world, gpu, a.top, a.limit)
+            result = search(cfg, world, gpu, a.top, a.limit, a.gpus_per_node)
         else:
-            result = plan(cfg, world, gpu)
+            result = plan(cfg, world, gpu, gpus_per_node=a.gpus_per_node)
             print(render(result), flush=True)
     except ConfigError as e:
         print(f"torchmeg.plan: error: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ per representative rank on fake tensors (torchmeg.plan.dry_run) and predicts its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 from torchmeg.errors import ConfigError
@@ -31,7 +32,7 @@ def recipe_world(cfg) -> int:
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
-def plan(cfg, world: int, gpu_name: str, isolate: bool = False) -> dict:
+def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: int | None = None) -> dict:
     """Validate (model, layout, batch; no data needed), dry-run, predict. -> the plan as a dict."""
     layout = validate(cfg, world, data=False)
     dims, args = layout.dims, layout.args
@@ -39,6 +40,8 @@ def plan(cfg, world: int, gpu_name: str, isolate: bool = False) -> dict:
     global_tokens = layout.tokens_per_step
     model_flops = flops_per_token(whole, args, cfg.data.seq_len) * global_tokens / world
     gpu = GPUS[gpu_name]
+    if gpus_per_node:  # ranks per node: what decides which groups use the fast links
+        gpu = dataclasses.replace(gpu, gpus_per_node=gpus_per_node)
     t0 = time.perf_counter()
     try:
         ranks = dry_run(copy.deepcopy(cfg), layout, isolate)

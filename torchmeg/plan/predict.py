@@ -43,30 +43,15 @@ def compute_seconds(ops, gpu: GPU, float8: bool) -> tuple[float, float, float]:
     return total, flop_bound, mem_bound
 
 
-def group_in_node(ranks: int, stride: int, gpu: GPU) -> bool:
-    """Whether a group of `ranks` ranks `stride` apart fits in one node (aligned)."""
-    return ranks * stride <= gpu.gpus_per_node
-
-
-def mesh_strides(dims) -> dict[str, int]:
-    """Rank distance between neighbours of each mesh dim (pp outermost ... tp innermost)."""
-    strides, s = {}, 1
-    for name in ("tp", "cp", "dp_shard", "dp_replicate", "pp"):
-        strides[name] = s
-        s *= getattr(dims, name)
-    strides.update(dp_shard_cp=strides["cp"], dp_cp=strides["cp"], dp=strides["dp_shard"],
-                   efsdp=strides["cp"], ep=strides["cp"])
-    return strides
-
-
 def comm_seconds(comm: dict, dims, gpu: GPU) -> dict[str, float]:
-    """'mesh dim/collective' -> seconds on the wire."""
-    strides = mesh_strides(dims)
+    """'mesh dim/collective' -> seconds on the wire (fast links inside a node, the network across:
+    ParallelDims.group_within_node, the rule a run's header uses too)."""
+    strides = dims.strides()
     out = {}
     for key, c in comm.items():
         dim = key.split("/")[0]
         # (pipeline p2p: a pair of neighbouring stages, world / pp ranks apart)
-        intra = group_in_node(2 if dim == "pp" else c["ranks"], strides.get(dim, 1), gpu)
+        intra = dims.group_within_node(2 if dim == "pp" else c["ranks"], strides.get(dim, 1), gpu.gpus_per_node)
         out[key] = c["wire_bytes"] / (gpu.nvlink_bw if intra else gpu.network_bw)
     return out
 

@@ -62,15 +62,15 @@ def describe(c) -> str:
             f"local batch {c.training.local_batch_size}")
 
 
-def search(cfg, world: int, gpu_name: str, top: int, limit: int = 24) -> dict:
-    cands = candidates(cfg, world, GPUS[gpu_name].gpus_per_node)
+def search(cfg, world: int, gpu_name: str, top: int, limit: int = 24, gpus_per_node: int | None = None) -> dict:
+    cands = candidates(cfg, world, gpus_per_node or GPUS[gpu_name].gpus_per_node)
     print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning "
           f"{min(limit, len(cands))} of them", flush=True)
     rows = []
     for c in cands[:limit]:
         t0 = time.perf_counter()
         try:
-            p = plan(c, world, gpu_name, isolate=True)
+            p = plan(c, world, gpu_name, isolate=True, gpus_per_node=gpus_per_node)
         except ConfigError as e:
             print(f"  {describe(c):<70} skipped: {e}", flush=True)
             continue

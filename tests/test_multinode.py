@@ -1,0 +1,136 @@
+"""Beyond one machine, on loopback: two torchrun agents (2 nodes x 2 ranks) meeting through a c10d
+rendezvous, as two hosts would (python -m torchmeg.launch = torchrun + one-line failures).
+
+Each agent gets its own data cache directory, as each host has its own disk, so "once per node"
+can be seen in the log.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY, assert_parity, read_metrics, run_cli
+
+ARGS = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=8",
+               "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=0"]
+HSDP = ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2",
+        "--parallelism.data_parallel_shard_degree=2"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(node: int, out, port: int, extra=(), env=None, nnodes=2, rdzv_conf=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torchmeg.launch", f"--nnodes={nnodes}", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", "--max-restarts=1"]
+    cmd += [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
+    cmd += ["-m", "torchmeg.train", f"--job.dump_folder={out}", "--job.name=run"] + ARGS + HSDP + list(extra)
+    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60", TORCHMEG_CACHE=str(out / f"cache{node}"),
+             **(env or {}))
+    log = open(out / f"agent{node}.log", "a")
+    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait(procs, timeout: float) -> list[int]:
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            p.wait(max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, signal.SIGKILL)
+            raise AssertionError(f"agents still running after {timeout} s")
+    return [p.returncode for p in procs]
+
+
+def _log(out, node) -> str:
+    return (out / f"agent{node}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """The uninterrupted two-node HSDP run (replicate across the nodes, shard inside each)."""
+    out = tmp_path_factory.mktemp("two_nodes")
+    port = _port()
+    codes = _wait([_agent(0, out, port), _agent(1, out, port)], 150)
+    assert codes == [0, 0], _log(out, 0)[-3000:] + _log(out, 1)[-3000:]
+    return out
+
+
+def test_two_nodes_train_hsdp_like_one_process_and_prepare_data_once_per_node(two_nodes, tmp_path):
+    ref = tmp_path / "ref"
+    run_cli(ARGS + ["--training.local_batch_size=8"], ref)
+    assert_parity(read_metrics(ref), read_metrics(two_nodes))  # 1e-5, as every layout on one machine
+    log0, log1 = _log(two_nodes, 0), _log(two_nodes, 1)
+    assert "nodes      2 x 2 ranks: within a node: dp_shard 2; across nodes: dp_replicate 2" in log0
+    # each node's local rank 0 built its node's cache, once; nobody else did
+    for node, log in ((0, log0), (1, log1)):
+        lines = [x for x in log.splitlines() if x.startswith("[data] node")]
+        assert len(lines) == 1 and f"[data] node {node} " in lines[0] and f"cache{node}" in lines[0] \
+            and " built in " in lines[0], lines
+    # the two-node run's step-10 checkpoint resumes on one agent x 4 ranks and retrains steps 11-20
+    # as the two nodes did (the same layout: the same numbers)
+    folder = tmp_path / "ckpt"
+    shutil.copytree(two_nodes / "run" / "checkpoint", folder)
+    p = run_cli(ARGS + HSDP + [f"--checkpoint.folder={folder}", "--checkpoint.load_step=10"], tmp_path, nproc=4,
+                name="one_agent", torchrun=True, timeout=150)
+    assert "resumed   from step 10" in p.stdout
+    assert_parity(read_metrics(two_nodes)[10:], read_metrics(tmp_path, "one_agent"))
+
+
+def test_a_lost_node_rejoins_and_the_run_resumes_bit_identically(two_nodes, tmp_path):
+    """Node 1 (its agent and both workers) dies after step 12; the surviving agent restarts its
+    workers and waits in a new rendezvous round; a replacement node 1 (a new agent, as a scheduler
+    would start) joins; both resume from the step-10 checkpoint and finish with the losses of the
+    uninterrupted run, bit for bit."""
+    port = _port()
+    env = {"TORCHMEG_TEST_KILL_NODE_AT_STEP": "12", "TORCHMEG_TEST_KILL_NODE": "1"}
+    a = _agent(0, tmp_path, port, env=env)
+    b = _agent(1, tmp_path, port, env=env)
+    assert _wait([b], 120) == [-signal.SIGKILL], _log(tmp_path, 1)[-3000:]  # the node is gone
+    b2 = _agent(1, tmp_path, port, env=env)  # its replacement
+    assert _wait([a, b2], 150) == [0, 0], _log(tmp_path, 0)[-3000:] + _log(tmp_path, 1)[-3000:]
+    assert "resumed   from step 10" in _log(tmp_path, 0)
+    got, want = read_metrics(tmp_path), read_metrics(two_nodes)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    for g, w in zip(got, want):
+        assert (g["loss"], g["grad_norm"]) == (w["loss"], w["grad_norm"]), (g, w)
+
+
+def test_a_node_that_never_joins_ends_the_rendezvous_in_one_line(tmp_path):
+    t0 = time.time()
+    a = _agent(0, tmp_path, _port(), rdzv_conf="join_timeout=10")
+    assert _wait([a], 90) == [2]
+    assert time.time() - t0 < 60
+    last = _log(tmp_path, 0).strip().splitlines()[-1]
+    assert last.startswith("torchmeg.launch: error: rendezvous") and "--nnodes=2" in last \
+        and "join_timeout" in last, last
+
+
+def test_the_slurm_script_launches_two_nodes(tmp_path):
+    """tools/slurm/train.sbatch as Slurm would run it on two nodes, with stand-ins for `scontrol`
+    (the node list: two loopback hosts) and `srun` (its command once per node, in parallel): it
+    trains to the end, both nodes in one rendezvous."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text("#!/bin/bash\nprintf '127.0.0.1\\n127.0.0.1\\n'\n")
+    (bin_ / "srun").write_text("#!/bin/bash\nshift  # --kill-on-bad-exit\n"
+                               "for n in 0 1; do TORCHMEG_CACHE=$TMP_CACHE/$n \"$@\" & done\nwait\n")
+    for f in ("scontrol", "srun"):
+        os.chmod(bin_ / f, 0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="fake[1-2]", SLURM_JOB_NUM_NODES="2",
+               SLURM_JOB_ID=str(_port()), TORCHMEG_RDZV_PORT=str(_port()), TORCHMEG_NPROC_PER_NODE="2",
+               TMP_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60")
+    p = subprocess.run(["bash", "tools/slurm/train.sbatch", "recipes/debug_llama.toml", f"--job.dump_folder={tmp_path}",
+                        "--job.name=slurm"] + TINY + ["--training.steps=4", "--training.global_batch_size=16"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "nodes      2 x 2 ranks" in p.stdout and [r["step"] for r in read_metrics(tmp_path, "slurm")] == [1, 2, 3, 4]
