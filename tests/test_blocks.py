@@ -77,6 +77,7 @@ def test_tp_plan_matches_are_counted_and_an_unmatched_pattern_is_named():
         unmatched_patterns(matched, strict=True)
 
 
+@pytest.mark.slow
 def test_nanogpt_example_fsdp_compile_recompute_matches_one_process():
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                         os.path.join(ROOT, "examples", "nanogpt.py")],

@@ -35,6 +35,7 @@ def same(ref, got, tol=0.0, steps=range(1, 21)):
             assert abs(ref[s][k] - got[s][k]) <= tol, f"step {s} {k}: {ref[s][k]!r} vs {got[s][k]!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout, extra", [
     ("single", 1, 4, [], []),
     ("fsdp2", 2, 2, [P + "data_parallel_shard_degree=2"], []),
@@ -60,6 +61,7 @@ def test_exact_resume(name, ranks, local, layout, extra, tmp_path, uninterrupted
         same(by_step(read_metrics(ref)), by_step(rows))  # bit for bit against the same layout
 
 
+@pytest.mark.slow
 def test_reshard_fsdp2_to_tp2_and_single(tmp_path, uninterrupted):
     fsdp = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
     run_cli(fsdp, tmp_path, nproc=2, env={"TORCHMEG_TEST_KILL_AT_STEP": "10"}, check=False)
@@ -79,6 +81,7 @@ def test_reshard_fsdp2_to_tp2_and_single(tmp_path, uninterrupted):
         shutil.rmtree(folder / "step-00000020")
 
 
+@pytest.mark.slow
 def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
     args = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
@@ -94,6 +97,7 @@ def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
     same(by_step(read_metrics(ref)), by_step(rows))
 
 
+@pytest.mark.slow
 def test_save_killed_mid_write_keeps_previous(tmp_path, uninterrupted):
     args = BASE + CK + ["--training.local_batch_size=4"]
     p = run_cli(args, tmp_path, env={"TORCHMEG_TEST_KILL_IN_SAVE": "10"}, check=False)
@@ -190,6 +194,7 @@ def test_hf_export_and_import_logits(tmp_path, tied):
         assert (hf(x).logits - m2(x)).abs().max() < 1e-4
 
 
+@pytest.mark.slow
 def test_export_hf_at_end_of_training_and_convert_tool(tmp_path):
     from transformers import LlamaForCausalLM
     run_cli(TINY + CK + ["--training.steps=3", "--checkpoint.export_hf=true"], tmp_path)

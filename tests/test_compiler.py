@@ -28,6 +28,7 @@ def eager(tmp_path_factory):
 
 
 # Compiled kernels fuse and reorder floating-point work; 1e-4 bounds that drift over 10 steps.
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("tp2", 2, 4, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
     # (One process compiling the same blocks without DTensor was dropped for suite time (39 s);
@@ -70,6 +71,7 @@ def test_recompute_gradients_equal_none(mode, option):
     assert len(wrapped) == (2 if option == 2 else 4)
 
 
+@pytest.mark.slow
 def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
     """Emulated float8 (torchao, tensorwise) on the debug recipe for 50 steps: the held-out loss at
     step 50 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's."""
@@ -125,6 +127,7 @@ def test_float8_recipe_trains(recipe, tmp_path):
 #   its gradient's size, so rounding-level gradient differences become lr-sized weight differences
 #   on small-gradient elements (measured: grad norm 3.4e-2 apart at step 4, loss still 3.9e-3).
 #   That float8 really ran under FSDP is asserted from the recorded step (converted modules, casts).
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("fsdp2", 2, 2, [P + "data_parallel_shard_degree=2"]),
     ("fsdp2_fp8_allgather", 2, 2, [P + "data_parallel_shard_degree=2", "--float8.enable_fsdp_float8_all_gather=true"]),
@@ -149,6 +152,7 @@ def test_float8_layouts_match_single_process(name, ranks, local, layout, tmp_pat
     assert one[0]["loss"] != 0
 
 
+@pytest.mark.slow
 def test_compile_cache_kept_per_cpu_isa(tmp_path):
     """A kernel cache written under this CPU's native ISA, then used by a process running ATen at
     AVX2 (ATEN_CPU_CAPABILITY=avx2, as users' CPUs may): torch 2.13's inductor cache does not key on

@@ -51,6 +51,7 @@ def test_128k_recipe_attention_needs_no_local_by_seq_tensor(mode):
     assert r["largest"] < r["local_x_seq"] // 8, r  # the largest is K/V-sized, not mask-sized
 
 
+@pytest.mark.slow
 def test_attention_memory_at_8k_is_a_quarter_of_the_dense_kernel(tmp_path):
     """tools/cp_bench.py at seq 8192, CP 2: peak memory of the attention path (VmHWM above the
     inputs) of block attention (default mode) vs the dense-mask kernel torchmeg had before; and
@@ -64,6 +65,7 @@ def test_attention_memory_at_8k_is_a_quarter_of_the_dense_kernel(tmp_path):
     assert os.path.getsize(tmp_path / "cp_bench.png") > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout, model", [
     ("cp2_allgather", 2, 4, [P + "context_parallel_degree=2", M + "allgather"], ()),
     ("cp2_ring", 2, 4, [P + "context_parallel_degree=2", M + "ring"], ()),
@@ -92,6 +94,7 @@ def _kernel_run(mode, cp, L, H, K, D=8):
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allgather", "ring", "alltoall"])
 @pytest.mark.parametrize("cp, H, K", [(2, 4, 2), (4, 8, 4)])
 def test_cp_attention_kernel_matches_one_device(mode, cp, H, K):

@@ -9,6 +9,7 @@ import pytest
 from conftest import ROOT
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_custom_model_example_matches_one_process(ranks):
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",

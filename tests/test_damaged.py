@@ -55,6 +55,7 @@ def resume_to_12(tmp_path, extra=(), nproc=1, check=True):
     return run_cli(BASE + ["--training.steps=12"] + list(extra), tmp_path, nproc=nproc, check=check)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, words", [
     ("bytes", "fails its CRC32 check"),
     ("truncate", "bytes, "),
@@ -78,6 +79,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(damage, words, tmp_pat
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 13))
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_under_fsdp2_and_stop_mode(tmp_path):
     newest = trained_to_8(tmp_path, None, [P + "data_parallel_shard_degree=2", "--training.local_batch_size=2"], nproc=2)
     flip_bytes(distcp(newest))
@@ -129,6 +131,7 @@ def test_incomplete_step_folder_never_blocks_a_save(tmp_path, pristine):
     assert json.load(open(newest / "torchmeg.json"))["step"] == 8
 
 
+@pytest.mark.slow
 def test_resume_applies_changed_optimizer_and_schedule(tmp_path, pristine):
     trained_to_8(tmp_path, pristine)
     shutil.rmtree(ck_folder(tmp_path) / "step-00000008")
@@ -142,6 +145,7 @@ def test_resume_applies_changed_optimizer_and_schedule(tmp_path, pristine):
     assert all(got[s] == want[s] for s in range(5, 13)), (got, want)
 
 
+@pytest.mark.slow
 def test_resume_with_other_batch_is_refused_or_remapped(tmp_path, pristine):
     trained_to_8(tmp_path, pristine)
     p = resume_to_12(tmp_path, ["--training.global_batch_size=8"], check=False)

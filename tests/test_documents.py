@@ -83,6 +83,7 @@ def _text_docs():
     return docs
 
 
+@pytest.mark.slow
 def test_megatron_core_store_trains(tmp_path):
     """Stores megatron-core's builder wrote (uint16 and int32) train through --data.dataset=PREFIX."""
     for dtype in (np.uint16, np.int32):
@@ -197,6 +198,7 @@ def short_docs(tmp_path_factory):
     return d / "fns"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, nproc, layout", [
     ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=2"]),
     ("tp2", 2, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]),

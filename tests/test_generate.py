@@ -139,6 +139,7 @@ def _transformers_greedy(folder, rows, new_tokens=32, eos=256):
     return out
 
 
+@pytest.mark.slow
 def test_greedy_equals_transformers_generate(debug_run):
     """Three prompts of different lengths in one batch, 32 greedy tokens each, from the trained
     checkpoint = transformers' generate(do_sample=False) on the weights checkpoint.export_hf wrote."""
@@ -151,6 +152,7 @@ def test_greedy_equals_transformers_generate(debug_run):
     assert rows[0]["text"] == "".join(chr(t) for t in rows[0]["tokens"])  # byte tokenizer, ASCII here
 
 
+@pytest.mark.slow
 def test_hf_recipe_greedy_equals_transformers_generate(tmp_path):
     run_cli(["--config", "recipes/hf_llama_debug.toml", "--training.steps=30", "--checkpoint.interval=30",
              "--metrics.enable_tensorboard=false", "--validation.enable=false"], tmp_path, name="hf", timeout=240)
@@ -159,6 +161,7 @@ def test_hf_recipe_greedy_equals_transformers_generate(tmp_path):
     assert [r["tokens"] for r in rows] == _transformers_greedy(tmp_path / "hf" / "checkpoint" / "hf", rows)
 
 
+@pytest.mark.slow
 def test_tp2_generation_equals_one_process(debug_run):
     base = ["--config", "recipes/debug_llama.toml", f"--job.dump_folder={debug_run}", "--job.name=debug",
             "--max-new-tokens", "24"] + _prompt_args()
@@ -169,6 +172,7 @@ def test_tp2_generation_equals_one_process(debug_run):
         assert {r["layout"] for r in two} == {"world 2: tp=2"} and {r["layout"] for r in one} == {"world 1: single device"}
 
 
+@pytest.mark.slow
 def test_fsdp2_checkpoint_generates_what_one_process_saves(tmp_path):
     """A checkpoint written by FSDP2 (sharded DTensors), and the same weights re-saved by one
     process (plain tensors): generation from each gives the same tokens."""
@@ -196,6 +200,7 @@ def test_fsdp2_checkpoint_generates_what_one_process_saves(tmp_path):
     assert outs[0] == outs[1] and all(len(t) for t in outs[0])
 
 
+@pytest.mark.slow
 def test_eval_reproduces_the_logged_val_loss(debug_run):
     """The first validation.steps global batches of the held-out split, as the trainer validates:
     the run's last val_loss, in one process (same arithmetic: to the bit) and under TP2 (1e-5: the

@@ -45,6 +45,7 @@ def _check(r: dict) -> None:
         assert r["tp_entries"] == r["hf_plan_entries"] + 2 + 5, r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_hf_tp2_fsdp2_compile_recompute_match_one_process(fam):
     """TP2, FSDP2 and FSDP2 + compile + full recompute, each vs the whole model on one process."""
@@ -53,6 +54,7 @@ def test_hf_tp2_fsdp2_compile_recompute_match_one_process(fam):
         _check(r)
 
 
+@pytest.mark.slow
 def test_hf_tp2_x_fsdp2_matches_one_process():
     rows = _worker(4, FAMILIES, ["tp2_fsdp2"])
     for r in rows.values():
@@ -75,6 +77,7 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten()).item()
 
 
+@pytest.mark.slow
 def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
     """recipes/hf_llama_debug.toml from HF weights, on TP 2 x FSDP 2 (each rank reads its own
     slices): step 1's loss is transformers' loss of those weights on the step-1 batch; after the

@@ -1,5 +1,6 @@
 """Init that scales: each rank computes only its own block of every parameter, and the blocks are
 exactly those of the one-process init (values are a function of seed, FQN and element index)."""
+import pytest
 import json
 import os
 import subprocess
@@ -61,6 +62,7 @@ def test_uniform_never_reaches_0_or_1():
     assert old[0].item() == 1.0  # the bug this guards against, reproduced
 
 
+@pytest.mark.slow
 def test_each_rank_fills_only_its_shards_at_world_8():
     """A fake process group at world 8 (rank 5 of FSDP 8, TP2 x FSDP4, PP2 x TP2 x FSDP2 for Llama,
     GPT-2 and MoE): every local block equals the one-process init's block, and no full-size tensor
@@ -77,6 +79,7 @@ def test_each_rank_fills_only_its_shards_at_world_8():
         assert (r["full_tensors_made"] != []) == r["legacy"], r
 
 
+@pytest.mark.slow
 def test_every_shipped_flavor_initialises_finite_at_its_layout():
     """Rank 0's shards of every shipped flavor at its recipe's layout (llama3_405b: TP 8 x PP 8 x FSDP 8
     of 512; flavors no recipe ships: FSDP 8), through the trainer's build on a fake process group:

@@ -25,6 +25,7 @@ def _finite_and_falling(rows, steps):
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, args, steps", [
     # GPT-2 124M: 12 layers x 768, bf16 (the recipe's), at seq 64.
     ("gpt2_124m", ["--config", "recipes/gpt2_124m.toml", "--data.seq_len=64"], 10),

@@ -79,6 +79,7 @@ def reference(tmp_path_factory):
     return reference_run(tmp_path_factory, MOE + ["--training.local_batch_size=8"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("ep2", 2, 4, [P + "expert_parallel_degree=2"]),
     ("ep2_fsdp2", 4, 2, [P + "expert_parallel_degree=2"]),
@@ -94,6 +95,7 @@ def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, 
     assert "experts max/mean" in p.stdout
 
 
+@pytest.mark.slow
 def test_moe_debug_recipe_trains_and_balances(tmp_path):
     # The recipe shortened to 80 of its 150 steps (the whole run takes ~40 s here).
     run_cli(["--config", "recipes/moe_debug.toml", "--metrics.enable_tensorboard=false", "--training.steps=80"],
@@ -132,6 +134,7 @@ def _periodic_store(tmp_path) -> str:
     return str(tmp_path / "rep")
 
 
+@pytest.mark.slow
 def test_aux_loss_gradient_is_divided_by_accumulation(tmp_path):
     """With identical microbatches, 4 microbatches of 2 are exactly one batch of 8: the LM loss, the
     routing fractions f and P, hence the aux loss, are the same means. So losses and grad norms must
@@ -148,6 +151,7 @@ def test_aux_loss_gradient_is_divided_by_accumulation(tmp_path):
     assert [r["tokens_per_expert"] for r in big] == [r["tokens_per_expert"] for r in acc]
 
 
+@pytest.mark.slow
 def test_recompute_does_not_count_routed_tokens_twice(tmp_path):
     """Recompute replays each block's forward in backward; the routed-token counts (which drive the
     balancing bias and the logged load) must be those of one forward: equal to the run without it,

@@ -65,6 +65,7 @@ def two_nodes(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_two_nodes_train_hsdp_like_one_process_and_prepare_data_once_per_node(two_nodes, tmp_path):
     ref = tmp_path / "ref"
     run_cli(ARGS + ["--training.local_batch_size=8"], ref)
@@ -86,6 +87,7 @@ def test_two_nodes_train_hsdp_like_one_process_and_prepare_data_once_per_node(tw
     assert_parity(read_metrics(two_nodes)[10:], read_metrics(tmp_path, "one_agent"))
 
 
+@pytest.mark.slow
 def test_a_lost_node_rejoins_and_the_run_resumes_bit_identically(two_nodes, tmp_path):
     """Node 1 (its agent and both workers) dies after step 12; the surviving agent restarts its
     workers and waits in a new rendezvous round; a replacement node 1 (a new agent, as a scheduler
@@ -105,6 +107,7 @@ def test_a_lost_node_rejoins_and_the_run_resumes_bit_identically(two_nodes, tmp_
         assert (g["loss"], g["grad_norm"]) == (w["loss"], w["grad_norm"]), (g, w)
 
 
+@pytest.mark.slow
 def test_a_node_that_never_joins_ends_the_rendezvous_in_one_line(tmp_path):
     t0 = time.time()
     a = _agent(0, tmp_path, _port(), rdzv_conf="join_timeout=10")
@@ -115,6 +118,7 @@ def test_a_node_that_never_joins_ends_the_rendezvous_in_one_line(tmp_path):
         and "join_timeout" in last, last
 
 
+@pytest.mark.slow
 def test_the_slurm_script_launches_two_nodes(tmp_path):
     """tools/slurm/train.sbatch as Slurm would run it on two nodes, with stand-ins for `scontrol`
     (the node list: two loopback hosts) and `srun` (its command once per node, in parallel): it

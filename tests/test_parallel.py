@@ -47,6 +47,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_llama_layout_matches_single_process(name, tmp_path, reference):
     ranks, local, layout = LAYOUTS[name]
@@ -56,6 +57,7 @@ def test_llama_layout_matches_single_process(name, tmp_path, reference):
     compare(reference(), read_metrics(tmp_path), TOL)
 
 
+@pytest.mark.slow
 def test_gpt2_tied_tp2_sp_matches(tmp_path):
     """GPT-2: tied embeddings, learned positions, biases, LayerNorm under TP + SP + loss_parallel."""
     base = [a for a in BASE if not a.startswith(("--model.n_kv_heads", "--model.multiple_of"))]
@@ -89,6 +91,7 @@ def _read_record(tmp_path, name, rank=0):
         return json.load(fh)
 
 
+@pytest.mark.slow
 def test_bf16_fsdp2_matches_bf16_single_process(tmp_path, reference):
     """bf16 compute (FSDP2's MixedPrecisionPolicy), fp32 master weights and reductions, on one
     process and on FSDP 2. Asserts what ran: every matmul and attention operand in step 1 is bf16
@@ -112,6 +115,7 @@ def test_bf16_fsdp2_matches_bf16_single_process(tmp_path, reference):
     assert "val_loss" in one[-1]
 
 
+@pytest.mark.slow
 def test_fsdp4_holds_a_quarter_of_the_state(tmp_path):
     """Params + grads + AdamW state per rank under dp_shard = 4 vs one process, as the planner
     builds them through the trainer's own build (tests/test_plan.py shows those bytes equal the

@@ -25,6 +25,7 @@ def reference(tmp_path_factory):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble",
                                       "ZBVZeroBubble", "DualPipeV"])
 def test_schedule_matches_single_process(schedule, tmp_path, reference):
@@ -36,6 +37,7 @@ def test_schedule_matches_single_process(schedule, tmp_path, reference):
     compare(reference, got)  # loss, grad norm and val_loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("pp2_fsdp2", 4, 4, [P + "pipeline_parallel_degree=2"]),
     # split-backward schedule x FSDP: weights stay gathered until the W pass (parallelize.py)
@@ -72,6 +74,7 @@ def test_bad_pipeline_layouts(override, words):
         assert w in str(e.value), str(e.value)
 
 
+@pytest.mark.slow
 def test_schedule_picture_bubble_matches_formula(tmp_path):
     out = tmp_path / "s.png"
     p = subprocess.run([sys.executable, "tools/pipeline_schedule.py", "--schedule", "Interleaved1F1B", "--pp", "4",
@@ -87,6 +90,7 @@ def test_schedule_picture_bubble_matches_formula(tmp_path):
         assert float(q.stdout.split("measured on torch's action lists: ")[1].split()[0]) == pytest.approx(expect)
 
 
+@pytest.mark.slow
 def test_checkpoint_reshards_between_pp2_and_one_process(tmp_path, reference):
     """Save under PP2 (stage FQNs are the whole model's), resume on one process, and back."""
     ck = ["--checkpoint.enable=true", "--checkpoint.interval=2", f"--checkpoint.folder={tmp_path / 'ck'}"]

@@ -32,6 +32,7 @@ def _plan(args, timeout=400):
                           timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,world,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     """The debug recipe (validation and checkpoints on, as shipped): per planned rank, parameter +
@@ -69,6 +70,7 @@ def _recipes():
     return sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml")))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # ~80 s on this 2-core machine when idle; 900 leaves room for a loaded one
 def test_every_recipe_plans_at_its_world_and_fits(tmp_path):
     """Each shipped recipe, planned at the world it names (plan.world_size; the CPU recipes at 1)

@@ -49,6 +49,7 @@ def test_exception_on_one_rank_ends_every_rank(tmp_path):
     assert max(r["step"] for r in read_metrics(tmp_path)) == 2
 
 
+@pytest.mark.slow
 def test_hang_on_one_rank_dumps_stacks_and_ends(tmp_path):
     env = {"TORCHMEG_TEST_HANG_AT_STEP": "5", "TORCHMEG_TEST_FAULT_RANK": "1"}
     args = TINY + ["--model.n_layers=2", "--training.steps=50", "--training.local_batch_size=4",
@@ -65,6 +66,7 @@ def test_hang_on_one_rank_dumps_stacks_and_ends(tmp_path):
     assert own or peer, errs[0][-3000:]
 
 
+@pytest.mark.slow
 def test_profiling_writes_a_trace_per_rank(tmp_path):
     p = run_cli(TINY + ["--training.steps=4", "--profiling.enable=true", "--profiling.profile_freq=4",
                         "--profiling.active_steps=1", P + "data_parallel_shard_degree=2",
@@ -123,6 +125,7 @@ def test_job_name_may_nest_inside_dump_folder(tmp_path):
     assert not (tmp_path.parent / "escape").exists()
 
 
+@pytest.mark.slow
 def test_failure_under_torchrun_max_restarts_resumes(tmp_path):
     """The fail-fast exit hands torchrun a failed group; with --max-restarts it restarts it, the
     restart resumes from the newest checkpoint and finishes (metrics: each step once)."""

@@ -39,6 +39,7 @@ def test_injected_spike_is_reported(action, tmp_path):
     assert "LOSS SPIKE" in p.stdout
 
 
+@pytest.mark.slow
 def test_skip_drops_the_update_and_stop_exits(tmp_path):
     run_cli(ARGS + ["--training.on_loss_spike=log"], tmp_path, name="log", env=SPIKE)
     run_cli(ARGS + ["--training.on_loss_spike=skip"], tmp_path, name="skip", env=SPIKE)
@@ -53,6 +54,7 @@ def test_skip_drops_the_update_and_stop_exits(tmp_path):
     assert max(r["step"] for r in read_metrics(tmp_path, "stop")) == 14
 
 
+@pytest.mark.slow
 def test_resumed_run_judges_spikes_as_an_uninterrupted_one(tmp_path):
     """The loss history is in the checkpoint: resumed at step 12, the spike at 15 is still seen
     against 14 steps of history (without it, 3 steps would be too few to judge) and skipped alike."""

@@ -1,4 +1,5 @@
 """tools/bench.py runs settings side by side and writes its table, JSON and chart (no timing asserted)."""
+import pytest
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from conftest import ROOT, TINY
 
 
+@pytest.mark.slow
 def test_bench_writes_reports(tmp_path):
     model = [a for a in TINY if a.startswith(("--model.", "--data.seq_len"))]
     p = subprocess.run([sys.executable, "tools/bench.py", "--config", "recipes/debug_llama.toml", "--compile", "off,on",

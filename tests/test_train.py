@@ -32,6 +32,7 @@ def test_cli_trains_and_logs(tmp_path):
     assert [e.value for e in losses] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_grad_accumulation_equals_one_big_batch(tmp_path):
     common = TINY + ["--training.steps=4", "--training.deterministic=true", "--training.global_batch_size=8"]
     run_cli(common + ["--training.local_batch_size=8"], tmp_path, name="big")
@@ -43,6 +44,7 @@ def test_grad_accumulation_equals_one_big_batch(tmp_path):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * max(1.0, a["grad_norm"]), (a, b)
 
 
+@pytest.mark.slow
 def test_trains_on_preprocessed_store_with_trained_bpe(tmp_path):
     src = tmp_path / "corpus.jsonl"
     lib = os.path.dirname(json.__file__)
@@ -64,6 +66,7 @@ def test_trains_on_preprocessed_store_with_trained_bpe(tmp_path):
     assert p.returncode == 2 and "data.dataset" in p.stderr and "tokenizer" in p.stderr
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_or_stops(tmp_path):
     args = TINY + ["--training.steps=4", "--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0",
                    "--training.max_norm=0"]
