@@ -2,6 +2,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import reference_run, assert_parity, read_metrics, run_cli
 from torchmeg.config import ConfigError, load_config
@@ -170,3 +171,49 @@ def test_recompute_does_not_count_routed_tokens_twice(tmp_path):
         got = read_metrics(tmp_path, name)
         assert [r["tokens_per_expert"] for r in got] == [r["tokens_per_expert"] for r in plain], name
         assert_parity(plain, got)
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Raises on anything that reads a tensor's value on the host: the dispatcher's
+    _local_scalar_dense (.item(), int(t), bool(t), ...) and .tolist() / .numpy() (which do not
+    dispatch, so they are patched for the duration)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            raise AssertionError("host sync: a tensor's value was read on the host")
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        self._saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+
+        def refuse(*a, **k):
+            raise AssertionError("host sync: .tolist() / .numpy()")
+        for n in self._saved:
+            setattr(torch.Tensor, n, refuse)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for n, f in self._saved.items():
+            setattr(torch.Tensor, n, f)
+        return super().__exit__(*exc)
+
+
+def test_experts_run_without_a_host_sync():
+    """The MoE model, forward and backward, with every host read of a tensor refused: routing counts
+    stay on the device and the experts run as grouped matmuls (torch._grouped_mm). The loop over
+    experts it replaced read the counts with .tolist() and is refused the same way."""
+    from torchmeg.models import moe as M
+    cfg = load_config("recipes/moe_debug.toml", [])
+    model = build_model(cfg, 257, "cpu")
+    init_weights(model, seed=0)
+    x = torch.randint(0, 257, (4, 64))
+    with _NoHostSync():
+        model(x).float().pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    saved = M.grouped_mm_takes
+    M.grouped_mm_takes = lambda *a: False  # the loop
+    try:
+        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+            model(x)
+    finally:
+        M.grouped_mm_takes = saved

@@ -9,9 +9,11 @@ Load balancing, chosen by `balance`:
             P = mean router probability), added to the gradient without changing the output
   bias      DeepSeek-V3's aux-loss-free balancing: a per-expert bias shifts which experts are
             selected (not their weights) and is nudged after each step toward under-used experts
-Experts are grouped 3-D weights [E, ...]; tokens are sorted by expert and each expert runs one
-matmul over its contiguous slice (a loop over experts, never over tokens). `experts.dispatch`
-is the swappable part: expert parallelism replaces it with an all-to-all version.
+Experts are grouped 3-D weights [E, ...]; tokens are sorted by expert and all experts run in three
+grouped matmuls over their contiguous slices (`torch._grouped_mm`, offsets from the token counts on
+the device: no host sync), where the kernel takes the dtype and layout; else a loop over experts
+(never over tokens) that reads the counts on the host. `experts.dispatch` is the swappable part:
+expert parallelism replaces it with an all-to-all version.
 Legend: T tokens, D model dim, H expert hidden, E experts, K top-k.
 """
 from __future__ import annotations
@@ -48,7 +50,29 @@ def expert_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts: list[int]) -> torch.Tensor:
     return torch.cat(outs) if outs else x_TD.new_zeros(0, w2_EHD.shape[-1])
 
 
+def grouped_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts_E: torch.Tensor) -> torch.Tensor:
+    """The same SwiGLU in three grouped matmuls: expert e's rows end at offs[e], a device tensor,
+    so nothing waits for the counts on the host."""
+    offs = counts_E.cumsum(0).to(torch.int32)
+    h = F.silu(torch._grouped_mm(x_TD, w1_EDH, offs=offs)) * torch._grouped_mm(x_TD, w3_EDH, offs=offs)
+    return torch._grouped_mm(h, w2_EHD, offs=offs)
+
+
+def grouped_mm_takes(x_TD: torch.Tensor, w_EDH: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm runs these operands (torch 2.13): fp32 / bf16 on CPU, bf16 on
+    CUDA from sm_90; every row 16-byte aligned."""
+    item = x_TD.element_size()
+    aligned = all(n * item % 16 == 0 for n in (x_TD.shape[-1], w_EDH.shape[-1]))
+    if x_TD.device.type == "cpu":
+        return aligned and x_TD.dtype in (torch.float32, torch.bfloat16)
+    if x_TD.device.type == "cuda":
+        return aligned and x_TD.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_TD.device) >= (9, 0)
+    return False
+
+
 def local_dispatch(experts: "GroupedExperts", x_TD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if grouped_mm_takes(x_TD, experts.w1) and grouped_mm_takes(x_TD, experts.w2):
+        return grouped_ffn(experts.w1, experts.w2, experts.w3, x_TD, counts)
     return expert_ffn(experts.w1, experts.w2, experts.w3, x_TD, counts.tolist())
 
 

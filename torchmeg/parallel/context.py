@@ -70,6 +70,8 @@ class PairCounter:
 
     @classmethod
     def add(cls, q, k, causal: bool) -> None:
+        if torch.compiler.is_compiling():
+            return  # (an eager-mode instrument: traced, its running total would be a guard, recompiling every call)
         n = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
         cls.pairs += n / 2 if causal else n
 

@@ -12,6 +12,7 @@ model into stages first; each stage then goes through this pass.
 """
 from __future__ import annotations
 
+import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -86,6 +87,11 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:
         setup(cfg.compile.cache_dir)
+        if dims.pp > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD:
+            # The split-backward schedules run the input-gradient pass with retain_graph=True (the
+            # weight-gradient pass comes later), which AOTAutograd's donated buffers refuse
+            # ("compiled with non-empty donated buffers", torch 2.13): compile without them.
+            functorch_config.donated_buffer = False
         report["compiled_blocks"] = compile_blocks(model, tp=dims.tp > 1, cp=dims.cp > 1, blocks_path=path,
                                                    documents=cfg.data.document_masking)
     # bf16 always goes through FSDP2's MixedPrecisionPolicy (a 1-rank mesh if need be), so one
