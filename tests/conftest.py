@@ -1,6 +1,7 @@
 """Shared helpers: run the real CLI (one process or torchrun with N ranks) and read its metrics."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -112,3 +113,17 @@ def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
     d = tmp_path_factory.mktemp("ref")
     run_cli(list(args), d)
     return read_metrics(d)
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory):
+    """A store of short documents (stdlib functions), so 32-token windows cross boundaries."""
+    d = tmp_path_factory.mktemp("short")
+    texts = [inspect.getsource(f) for f in vars(json.decoder).values() if inspect.isfunction(f)]
+    texts += [inspect.getsource(f) for f in vars(inspect).values() if inspect.isfunction(f)][:200]
+    src = d / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
+    p = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-prefix",
+                        str(d / "fns")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return d / "fns"

@@ -182,22 +182,6 @@ def test_packed_documents_equal_each_document_alone(layout):
     assert r["max_diff"] <= 1e-5 and r["dense_diff"] > 0.1, r
 
 
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory):
-    """A store of short documents (stdlib functions), so 32-token windows cross boundaries."""
-    import inspect
-    import json as js
-    d = tmp_path_factory.mktemp("short")
-    texts = [inspect.getsource(f) for f in vars(js.decoder).values() if inspect.isfunction(f)]
-    texts += [inspect.getsource(f) for f in vars(inspect).values() if inspect.isfunction(f)][:200]
-    src = d / "in.jsonl"
-    src.write_text("\n".join(json.dumps({"text": t}) for t in texts) + "\n")
-    p = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(src), "--output-prefix",
-                        str(d / "fns")], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    return d / "fns"
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name, nproc, layout", [
     ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=2"]),

@@ -150,6 +150,9 @@ def test_greedy_equals_transformers_generate(debug_run):
     assert [r["tokens"] for r in rows] == _transformers_greedy(debug_run / "debug" / "checkpoint" / "hf", rows)
     assert all(r["step"] == 60 and r["decode_tokens_per_sec"] > 0 and r["prefill_ms"] > 0 for r in rows)
     assert rows[0]["text"] == "".join(chr(t) for t in rows[0]["tokens"])  # byte tokenizer, ASCII here
+    # A recipe that fuses the LM head into the loss still generates from logits: the same tokens.
+    _, fused = _generate(base + _prompt_args() + ["--training.fused_linear_cross_entropy=true"])
+    assert [r["tokens"] for r in fused] == [r["tokens"] for r in rows]
 
 
 @pytest.mark.slow
@@ -217,6 +220,11 @@ def test_eval_reproduces_the_logged_val_loss(debug_run):
     assert p.returncode == 0, p.stderr[-3000:]
     tp = json.loads(p.stdout.splitlines()[-1])
     assert abs(tp["loss"] - logged["val_loss"]) <= 1e-5 and tp["layout"] == "world 2: tp=2"
+    # The fused head + loss (its own sums, in chunks): 1e-5, fp32 reordering on a loss of ~2.
+    p = subprocess.run(base + ["--steps", "4", "--training.fused_linear_cross_entropy=true"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert abs(json.loads(p.stdout.splitlines()[-1])["loss"] - logged["val_loss"]) <= 1e-5
     p = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120)
     whole = json.loads(p.stdout.splitlines()[-1])
     assert whole["windows"] > one["windows"] and abs(whole["perplexity"] - math.exp(whole["loss"])) < 1e-9

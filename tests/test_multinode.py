@@ -36,7 +36,27 @@ def _agent(node: int, out, port: int, extra=(), env=None, nnodes=2, rdzv_conf=No
     e = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60", TORCHMEG_CACHE=str(out / f"cache{node}"),
              **(env or {}))
     log = open(out / f"agent{node}.log", "a")
-    return subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if node == 0:
+        # Both agents are on this host, so either may bind the rendezvous endpoint and host the
+        # c10d store; node 0 must (as on a cluster, where the endpoint is node 0's): a store hosted
+        # by a node the test kills takes the rendezvous down with it.
+        _wait_listening(port, p)
+    return p
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Until something listens on `port` (read from /proc/net/tcp*: no connection is made)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as fh:
+                for line in fh.readlines()[1:]:
+                    local, state = line.split()[1], line.split()[3]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        return
+        time.sleep(0.05)
+    raise AssertionError(f"agent 0 did not open the rendezvous port {port} within {timeout} s")
 
 
 def _wait(procs, timeout: float) -> list[int]:
@@ -46,7 +66,10 @@ def _wait(procs, timeout: float) -> list[int]:
             p.wait(max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                os.killpg(q.pid, signal.SIGKILL)
+                try:
+                    os.killpg(q.pid, signal.SIGKILL)
+                except ProcessLookupError:  # (that one had already exited)
+                    pass
             raise AssertionError(f"agents still running after {timeout} s")
     return [p.returncode for p in procs]
 

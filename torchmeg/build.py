@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
+from torchmeg.fused_ce import linear_cross_entropy
 from torchmeg.layout import Layout
 from torchmeg.models.args import instantiate
 from torchmeg.models.init import materialize
@@ -44,7 +45,14 @@ def cross_entropy_masked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / labels.numel()
 
 
-def loss_function(cfg) -> Callable:
+def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
+    """The recipe's loss over the model's output. With training.fused_linear_cross_entropy the
+    model ends at its final norm and the loss applies the LM head (built.head, its weight read at
+    every call: FSDP's unsharded one after the forward) chunk by chunk: torchmeg.fused_ce."""
+    if built is not None and built.head is not None:
+        module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
+        mean_over = "positions" if cfg.data.mask_eod_loss else "targets"
+        return lambda h, labels: linear_cross_entropy(h, module.weight, labels, mean_over, sp, keep)
     return cross_entropy_masked if cfg.data.mask_eod_loss else cross_entropy
 
 
@@ -59,40 +67,52 @@ class BuiltModel:
     has_last: bool
     report: str                 # what parallelize() did, one line
     stage_desc: str             # the pipeline split, one line ("" without PP)
+    head: nn.Module | None = None  # the LM head the loss applies (fused linear + CE; on the last stage)
+    head_sequence_sharded: bool = False  # the model's output is this rank's sequence shard (TP + SP)
+    split_backward: bool = False  # a pipeline schedule that backpropagates twice (inputs, then weights)
 
 
 def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
                          loss_fn: Callable | None = None, schedule: bool = True,
-                         storage=contextlib.nullcontext) -> BuiltModel:
+                         storage=contextlib.nullcontext, fused_head: bool | None = None) -> BuiltModel:
+    """`fused_head`: the loss applies the LM head (default: training.fused_linear_cross_entropy;
+    generation passes False: it needs the logits)."""
     spec, dims = layout.spec, layout.dims
     whole = instantiate(spec, layout.args, "meta")
+    fused = cfg.training.fused_linear_cross_entropy if fused_head is None else fused_head
+    head = {}
 
     def prepare(part: nn.Module) -> None:
         parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=spec_tp_plan(spec, part),
                     plan_must_match=callable(spec.tp_plan))  # a plan derived from this very model: all must match
         with storage():
             materialize(part, device, seed, block=local_block)
+        if fused and getattr(part, spec.head, None) is not None:
+            part.head_in_loss = True  # the model returns the final norm's output; loss_function applies the head
+            head.update(head=getattr(part, spec.head),
+                        head_sequence_sharded=dims.tp > 1 and part.torchmeg_report.get("sequence_parallel", False))
 
     st = layout.stages
     if st is None:
         prepare(whole)
         return BuiltModel(model=whole, whole=whole, parts=[whole], stage_ids=[0], schedule=None, has_first=True,
-                          has_last=True, report=describe_report(whole.torchmeg_report), stage_desc="")
+                          has_last=True, report=describe_report(whole.torchmeg_report), stage_desc="", **head)
     # Split into this rank's stages first; each stage then goes through the whole pass.
     ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, st.per_rank, st.schedule)
     parts = pl.split_model(whole, spec, list(st.layers), ids)
     for part in parts:
         prepare(part)
-    pipe = None
-    if schedule:
-        pipe = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
-                                 loss_fn or loss_function(cfg), st.schedule)
     desc = f"stages {ids} of {st.n_stages} ({list(st.layers)} layers), {st.schedule}"
     if dims.fsdp > 1 and st.schedule in pl.SPLIT_BACKWARD and cfg.parallelism.fsdp_reshard_after_forward:
         desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
-    return BuiltModel(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, stage_ids=ids,
-                      schedule=pipe, has_first=0 in ids, has_last=st.n_stages - 1 in ids,
-                      report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc)
+    built = BuiltModel(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, stage_ids=ids,
+                       schedule=None, has_first=0 in ids, has_last=st.n_stages - 1 in ids,
+                       report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc,
+                       split_backward=st.schedule in pl.SPLIT_BACKWARD, **head)
+    if schedule:
+        built.schedule = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
+                                           loss_fn or loss_function(cfg, built), st.schedule)
+    return built
 
 
 # ---- one step's microbatches through the model ---------------------------------------------------
@@ -114,9 +134,10 @@ class ModelStep:
 
     @classmethod
     def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
-        """`loss_fn`: build.loss_function(cfg), or a compiled one (the schedule has its own)."""
-        return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel, layout.accum,
-                   mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
+        """`loss_fn`: build.loss_function(cfg, built), or a compiled one (the schedule has its own).
+        A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off."""
+        return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
+                   layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
                    mesh["pp"].get_group())
 
     def local(self, t: torch.Tensor) -> torch.Tensor:

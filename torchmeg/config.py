@@ -88,6 +88,8 @@ class Training:
     loss_spike_window: int = _f(100, lo=1, help="steps whose losses form the running median")
     on_loss_spike: str = _f("log", choices=["log", "skip", "stop"],
                             help="log: report it and apply the step; skip: report it, no update; stop: exit 1")
+    fused_linear_cross_entropy: bool = _f(False, help="the LM head and the loss computed together over chunks of "
+                                                      "tokens: the [tokens, vocab] logits never exist (torchmeg.fused_ce)")
     watchdog_factor: float = _f(10.0, lo=0.0, help="a step slower than this x the median step is a hang; 0 = off")
     watchdog_min_s: float = _f(120.0, lo=1.0, help="the watchdog never fires on a step before this many seconds")
     watchdog_startup_s: float = _f(1800.0, lo=1.0, help="limit for the first steps (compile), eval, checkpoint I/O")

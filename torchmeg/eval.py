@@ -69,7 +69,7 @@ def run(prepared) -> None:
                           f"{layout.global_batch}; lower training.local_batch_size")
     loader = build_loader(dataset, layout.local_batch, layout.dims.dp, mesh["dp"].get_local_rank(), layout.accum,
                           0, steps)
-    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device, loss_function(cfg))
+    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device, loss_function(cfg, loaded.built))
     total, it, t0 = torch.zeros((), device=loaded.device), iter(loader), time.perf_counter()
     for s in range(steps):
         eval_step(ms, [next(it) for _ in range(layout.accum)], total)

@@ -119,7 +119,7 @@ def prepare(argv: list[str]):
 
 def run(prepared) -> None:
     a, cfg, layout, sampling, compile_decode, texts, ids = prepared
-    loaded = load_trained(cfg, layout)
+    loaded = load_trained(cfg, layout, logits=True)
     tok, rank = loaded.tokenizer, dist.get_rank()
     step = None
     if compile_decode:

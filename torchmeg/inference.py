@@ -28,11 +28,13 @@ class Loaded:
     step: int | None         # the checkpoint's step (None: HF weights)
 
 
-def load_trained(cfg, layout: Layout) -> Loaded:
-    """Start the process group, build this rank's model, load the trained weights into it."""
+def load_trained(cfg, layout: Layout, logits: bool = False) -> Loaded:
+    """Start the process group, build this rank's model, load the trained weights into it.
+    `logits`: the model ends at its LM head even where the recipe fuses the head into the loss
+    (generation samples from logits)."""
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     device, mesh, ep_mesh = runtime.start(cfg, layout.dims)
-    built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, cfg.job.seed)
+    built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, cfg.job.seed, fused_head=False if logits else None)
     found = load_model_weights(cfg, built.model, tokenizer.fingerprint())
     if found is not None:
         step, path = found

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from torchmeg import __version__, runtime
+from torchmeg.fused_ce import chunk_rows
 from torchmeg.models.count import active_params, count_params
 
 
@@ -37,8 +38,20 @@ def header_lines(tr) -> list[str]:
         f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
         f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
         f"clip {c.training.max_norm:g}",
+        f"loss       {_loss_line(c, tr.built, layout)}",
         f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
     ]
+
+
+def _loss_line(cfg, built, layout) -> str:
+    what = ("cross-entropy summed over targets / all positions (end-of-document targets masked)"
+            if cfg.data.mask_eod_loss else "cross-entropy, mean over targets")
+    if cfg.training.fused_linear_cross_entropy:
+        vocab = layout.args.vocab_size // layout.dims.tp
+        return (f"{what}; fused with the LM head '{layout.spec.head}' (torchmeg.fused_ce): logits of at most "
+                f"{chunk_rows(vocab, 1 << 62):,} tokens at a time (256 MiB fp32)"
+                + (", vocab-sharded over TP" if layout.dims.tp > 1 else ""))
+    return what + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else "")
 
 
 def _node_lines(dims) -> list[str]:

@@ -97,8 +97,8 @@ class Trainer:
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
         self.expert_params = [p for m in expert_modules(self.model) for p in m.parameters()] if self.dims.ep > 1 else []
         self.router_stats = {}
-        loss_fn = loss_function(cfg)
-        if cfg.compile.enable and "loss" in cfg.compile.components:
+        loss_fn = loss_function(cfg, built)  # (a fused head + loss stays eager: its chunk loop is already one pass)
+        if cfg.compile.enable and "loss" in cfg.compile.components and built.head is None:
             loss_fn = compile_loss(loss_fn, cfg.compile.cache_dir)
         self.step_fn = ModelStep.of(built, layout, self.mesh, self.device, loss_fn)
 

@@ -53,6 +53,11 @@ def check_model_args(cfg, spec: ModelSpec, args, tokenizer_vocab: int | None) ->
                           f"{tokenizer_vocab} tokens; raise it or use -1 (= tokenizer size)")
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len = {cfg.data.seq_len}: exceeds model.max_seq_len = {args.max_seq_len}")
+    softcap = getattr(getattr(args, "config", None), "final_logit_softcapping", None)
+    if cfg.training.fused_linear_cross_entropy and softcap:
+        raise ConfigError(f"training.fused_linear_cross_entropy = true: this model soft-caps its logits "
+                          f"(final_logit_softcapping = {softcap}), which the fused head + loss does not apply; "
+                          f"set it to false")
 
 
 def build_model(cfg, tokenizer_vocab: int | None, device: str | torch.device = "meta") -> nn.Module:

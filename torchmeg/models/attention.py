@@ -43,14 +43,33 @@ def document_spans(documents_BS: torch.Tensor) -> list[list[tuple[int, int]]]:
     return [list(zip(c, c[1:] + [S])) for c in cuts]
 
 
-def document_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, documents_BS: torch.Tensor,
+class DocumentBatch:
+    """A batch's document numbers with their spans read once: a model wraps its `documents` in one
+    at the top of its forward, and every layer's attention reuses the spans (one host read per
+    forward, not per layer)."""
+
+    def __init__(self, documents_BS: torch.Tensor):
+        self.ids, self._spans = documents_BS, None
+
+    @property
+    def spans(self) -> list[list[tuple[int, int]]]:
+        if self._spans is None:
+            self._spans = document_spans(self.ids)
+        return self._spans
+
+
+def document_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, documents,
                        q_start: int = 0) -> torch.Tensor:
-    """Causal attention within documents. The queries are tokens [q_start, q_start + L) of the
-    window, the keys and values all its S tokens (S = L, q_start = 0 outside context parallel)."""
+    """Causal attention within documents (`documents`: [B, S] document numbers, or a DocumentBatch).
+    The queries are tokens [q_start, q_start + L) of the window, the keys and values all its S tokens
+    (S = L, q_start = 0 outside context parallel)."""
     L = q_BHLD.shape[2]
     gqa = q_BHLD.shape[1] != k_BKSD.shape[1]
-    spans = document_spans(documents_BS)
-    whole = [b for b, sp in enumerate(spans) if len(sp) == 1 and q_start == 0 and L == k_BKSD.shape[2]]
+    spans = (documents if isinstance(documents, DocumentBatch) else DocumentBatch(documents)).spans
+    full = q_start == 0 and L == k_BKSD.shape[2]
+    if full and all(len(sp) == 1 for sp in spans):  # one document per row: plain causal, no copies
+        return F.scaled_dot_product_attention(q_BHLD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=gqa)
+    whole = [b for b, sp in enumerate(spans) if len(sp) == 1 and full]
     rows: dict[int, torch.Tensor] = {}
     if whole:  # rows with one document: one batched causal call
         idx = torch.tensor(whole, device=q_BHLD.device)

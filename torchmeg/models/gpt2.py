@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmeg.models.attention import document_positions
+from torchmeg.models.attention import DocumentBatch, document_positions
 from torchmeg.models.init import Constant, Normal
 from torchmeg.models.llama import DECODER_TP, causal_attention
 
@@ -96,6 +96,7 @@ class GPT2(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.head_in_loss = False  # see llama.Llama
 
     def init_buffers(self) -> None:
         pass
@@ -114,8 +115,10 @@ class GPT2(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache);
         document masking passes `documents` [B, L] (models.attention): positions restart per document."""
-        if documents is not None and positions is None:
-            positions = document_positions(documents)
+        if documents is not None:
+            if positions is None:
+                positions = document_positions(documents)
+            documents = DocumentBatch(documents)  # (spans read once for every layer)
         if self.tok_embeddings is not None:
             pos = positions if positions is not None else torch.arange(tokens_BL.shape[1], device=tokens_BL.device)
             h = self.tok_embeddings(tokens_BL) + self.pos_embeddings(pos)
@@ -127,7 +130,7 @@ class GPT2(nn.Module):
             else:
                 h = layer(h) if documents is None else layer(h, documents=documents)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.head_in_loss else h
 
 
 # ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------

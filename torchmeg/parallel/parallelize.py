@@ -70,6 +70,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         # A model may decline SP (e.g. a Hugging Face model with eager attention builds its mask
         # from the local sequence length): it then runs plain TP, and the report says so.
         sp = p.sequence_parallel and getattr(model, "supports_sequence_parallel", True)
+        report["sequence_parallel"] = sp  # (a fused LM head + loss gathers a sequence-sharded output itself)
         if p.sequence_parallel and not sp:
             report["sp_off"] = getattr(model, "sequence_parallel_note", "not supported by the model")
         matched = apply_tp(model, mesh["tp"], tp_plan, sp, dims.uses_loss_parallel(p), float8_tp)

@@ -31,7 +31,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchmeg.build import ModelStep, build_parallel_model, cross_entropy, forward_backward
+from torchmeg.build import ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.layout import Layout
 from torchmeg.metrics import local_bytes, model_state_bytes
 from torchmeg.optim import build_optimizer, grad_norm
@@ -42,7 +42,7 @@ from torchmeg.plan.step_cost import StepCost, add_comm, mesh_group_labels
 MIB = 2 ** 20
 
 
-def _snapshot_bytes(mt) -> dict[str, int]:
+def peak_bytes(mt) -> dict[str, int]:
     """MemTracker's peak snapshot summed over devices: {category: bytes}."""
     out: dict[str, int] = {}
     for dev, cats in mt.get_tracker_snapshot("peak").items():
@@ -92,9 +92,9 @@ class MicrobatchMarks:
 
     def __iter__(self):
         for b in self.batches:
-            self.marks.append((_current(self.memory), self.cost.mark()))
+            self.marks.append((current_bytes(self.memory), self.cost.mark()))
             yield b
-        self.marks.append((_current(self.memory), self.cost.mark()))
+        self.marks.append((current_bytes(self.memory), self.cost.mark()))
 
 
 def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measurement:
@@ -108,7 +108,7 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measur
         microbatches.cost, microbatches.memory = cost, mt
     with mt, cost:
         run()
-    mem = _snapshot_bytes(mt)
+    mem = peak_bytes(mt)
     if microbatches is not None and microbatches.more:
         (held1, c1), (held2, c2) = microbatches.marks[1:3]
         cost.repeat(c1, c2, microbatches.more)
@@ -233,7 +233,8 @@ def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
         batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (B, L)), torch.randint(0, vocab, (B, L))),
                                   layout.accum)
         # The trainer's own microbatch loop, over the (at most three) microbatches planned.
-        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device), accum=len(batches))
+        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss_function(cfg, built)),
+                                 accum=len(batches))
         loss_group = mesh["dp_cp"].get_group()
         step = _step(lambda: dist.all_reduce(forward_backward(ms, batches), group=loss_group), model, opt, [])
         state = _create_optimizer_state(model, opt)
@@ -287,7 +288,8 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         else:
             x = torch.randn(mb, L // (dims.tp if sp else 1), dim, dtype=act_dtype, requires_grad=True)
         y = torch.randint(0, vocab, (mb, L))
-        fm = _measure_forward(part, opt, labels, x, sid == n_stages - 1, y, n_micro)
+        last = loss_function(cfg, built) if sid == n_stages - 1 else None
+        fm = _measure_forward(part, opt, labels, x, last, y, n_micro)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -356,29 +358,30 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     return out
 
 
-def _measure_forward(part, opt, labels, x, last, y, n_micro) -> dict:
+def _measure_forward(part, opt, labels, x, loss_fn, y, n_micro) -> dict:
     """One microbatch through one stage: bytes held after forward (activations + output), the
-    transient peaks of forward and backward above that, and its ops and collectives."""
+    transient peaks of forward and backward above that, and its ops and collectives. `loss_fn`:
+    the last stage's loss (None on the others)."""
     mt = step_memory()
     mt.track_external(part, opt)
     cost = StepCost(labels)
     with mt, cost:
-        base = _current(mt)
+        base = current_bytes(mt)
         out = part(x)
-        after_fwd = _current(mt)
-        fwd_peak = _snapshot_bytes(mt).get("Total", 0)
-        if last:
-            (cross_entropy(out, y) / n_micro).backward()
+        after_fwd = current_bytes(mt)
+        fwd_peak = peak_bytes(mt).get("Total", 0)
+        if loss_fn is not None:
+            (loss_fn(out, y) / n_micro).backward()
         else:
             out.backward(torch.ones_like(out))
-        bwd_peak = _snapshot_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
+        bwd_peak = peak_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
     act = after_fwd - base
     return {"act": act, "fwd_transient": max(0, fwd_peak - after_fwd), "bwd_transient": max(0, bwd_peak - after_fwd),
             "out_bytes": out.numel() * out.element_size(), "flops": cost.flops, "ops": cost.ops,
             "comm": cost.comm_table()}
 
 
-def _current(mt) -> int:
+def current_bytes(mt) -> int:
     return sum(int(v) for cats in mt.get_tracker_snapshot("current").values()
                for k, v in cats.items() if str(getattr(k, "value", k)) == "Total")
 
