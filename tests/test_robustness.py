@@ -78,6 +78,14 @@ def test_profiling_writes_a_trace_per_rank(tmp_path):
         names = {e.get("name") for e in trace["traceEvents"]}
         assert {"aten::mm", "aten::addmm"} & names, sorted(n for n in names if n and "aten" in n)[:20]
         assert "aten::mm" in open(folder / f"rank{r}.memory_ops.txt").read()
+        # tools/step_profile.py reads the same trace: the step's time by kind of work and by phase
+        prof = subprocess.run([sys.executable, "tools/step_profile.py", "--json", str(folder / f"rank{r}.trace.json")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert prof.returncode == 0, prof.stderr[-2000:]
+        rep = json.loads(prof.stdout)
+        assert rep["steps"] == 1 and rep["mm_flops"] > 0 and 0 < rep["kinds"]["matmul"] < rep["wall_us"], rep
+        assert rep["kinds"]["communication"] > 0, rep  # FSDP2's all-gathers and reduce-scatters
+        assert {"forward", "backward", "optimizer", "data"} <= set(rep["phases"]), rep["phases"]
         # torch's timeline exporter sometimes asserts (pytorch/pytorch#167838): then the rank says
         # so on its stderr (the harness keeps every rank's stderr, rank 0's stdout)
         timeline = folder / f"rank{r}.memory_timeline.html"

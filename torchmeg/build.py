@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 
 from torchmeg.fused_ce import linear_cross_entropy
@@ -163,18 +164,22 @@ def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) 
     -> the sum of this rank's microbatch losses, each divided by accum. `loss_hook(loss) -> loss`
     is applied to each microbatch's loss before its backward (the trainer's test hooks)."""
     if ms.schedule is not None:  # the schedule runs every microbatch itself
-        return pipeline_step(ms, batches, train=True)
+        with record_function("torchmeg: forward+backward (pipeline schedule)"):
+            return pipeline_step(ms, batches, train=True)
     loss_sum = torch.zeros((), device=ms.device)
     for m, batch in enumerate(batches):
         inputs, labels = ms.local(batch[0]), ms.local(batch[1])
         if hasattr(ms.model, "set_requires_gradient_sync"):
             # Reduce gradients once, after the last microbatch.
             ms.model.set_requires_gradient_sync(m == ms.accum - 1)
+        # Named ranges for tools/step_profile.py's phases (free when no profiler runs).
         with ms.loss_context():
-            loss = ms.loss_fn(ms.model(inputs, **ms.extra(batch)), labels) / ms.accum
-            if loss_hook is not None:
-                loss = loss_hook(loss)
-            loss.backward()
+            with record_function("torchmeg: forward"):
+                loss = ms.loss_fn(ms.model(inputs, **ms.extra(batch)), labels) / ms.accum
+                if loss_hook is not None:
+                    loss = loss_hook(loss)
+            with record_function("torchmeg: backward"):
+                loss.backward()
         loss_sum += _scalar(loss.detach()).float()
     return loss_sum
 

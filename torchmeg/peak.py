@@ -150,6 +150,13 @@ def _read_table(path: str) -> dict:
         return {}
 
 
+def cached_peak(dtype: torch.dtype, cache_dir: str) -> float | None:
+    """The peak a run already measured and cached for this CPU, thread count, dtype and torch
+    (None if there is none, or it is stale): tools read it without probing."""
+    p = _cached(os.path.join(cache_dir, "peak_flops.json"), dtype)
+    return p.flops if p is not None else None
+
+
 def _cached(path: str, dtype: torch.dtype) -> Probe | None:
     """The cached probe for this CPU, thread count, dtype and torch, if clean and fresh. Entries of
     the old format (a bare number, no record of how it was taken) are not trusted."""

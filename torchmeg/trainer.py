@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from torchmeg import guard, runtime
 from torchmeg.build import ModelStep, build_parallel_model, eval_step, forward_backward, loss_function
@@ -160,14 +161,15 @@ class Trainer:
         """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped):
         not stepped when the loss or norm is non-finite, or a loss spike is skipped."""
         loss_sum = self._forward_backward(batches)
-        dist.all_reduce(loss_sum, group=self.loss_group)
-        loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
-        # Expert grads already sum the tokens of the whole ep group: divide by ep to match
-        # the data-parallel mean that FSDP applies to every other gradient.
-        for p in self.expert_params:
-            if p.grad is not None:
-                p.grad.div_(self.dims.ep)
-        gn = grad_norm(self.params, [self.pp_group] if self.built.schedule is not None else []).item()
+        with record_function("torchmeg: loss and grad norm"):
+            dist.all_reduce(loss_sum, group=self.loss_group)
+            loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
+            # Expert grads already sum the tokens of the whole ep group: divide by ep to match
+            # the data-parallel mean that FSDP applies to every other gradient.
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.dims.ep)
+            gn = grad_norm(self.params, [self.pp_group] if self.built.schedule is not None else []).item()
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         spike = self.state.spike
         self.spike_note = spike.observe(loss_val) if finite else None
@@ -175,7 +177,8 @@ class Trainer:
             self._report_spike(loss_val)
         stepped = finite and not (self.spike_note and spike.action == "skip")
         if stepped:
-            self._update(gn)
+            with record_function("torchmeg: optimizer"):
+                self._update(gn)
         elif self.cfg.training.on_nonfinite == "stop":
             raise FloatingPointError(f"non-finite loss {loss_val} or grad norm {gn}; stopping "
                                      f"(training.on_nonfinite = \"stop\")")
@@ -262,14 +265,15 @@ class Trainer:
         for step in range(self.start_step + 1, cfg.training.steps + 1):
             loss, gn, lr, stepped = self._timed_step(step, it)
             profiler.step(step)
-            val = self._maybe_validate(step)
-            if (step % cfg.metrics.log_freq == 0 or step in (1, cfg.training.steps) or val is not None
-                    or not stepped or self.spike_note):
-                self._log(step, loss, gn, lr, val, stepped)
-            self._check_skips(step, stepped)
-            self.state.step = step
-            preempted = stop.agreed()
-            self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
+            with record_function("torchmeg: validate, log, save"):
+                val = self._maybe_validate(step)
+                if (step % cfg.metrics.log_freq == 0 or step in (1, cfg.training.steps) or val is not None
+                        or not stepped or self.spike_note):
+                    self._log(step, loss, gn, lr, val, stepped)
+                self._check_skips(step, stepped)
+                self.state.step = step
+                preempted = stop.agreed()
+                self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
             inject_kill(step, self.rank)
             inject_node_loss(step, fresh=self.start_step == 0)
             if preempted:
@@ -283,7 +287,8 @@ class Trainer:
     def _timed_step(self, step: int, it) -> tuple[float, float, float, bool]:
         self.watchdog.begin(f"step {step}")
         t0 = time.perf_counter()
-        batches = [next(it) for _ in range(self.layout.accum)]
+        with record_function("torchmeg: data"):
+            batches = [next(it) for _ in range(self.layout.accum)]
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
         loss, gn, stepped = self.train_step(batches)
         if self.device.type == "cuda":
