@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, read_metrics, run_cli
+from conftest import ROOT, TINY, _free_port, read_metrics, run_cli
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=4",
@@ -232,3 +232,51 @@ def test_last_save_model_only_in_bf16(tmp_path):
     assert any(k.startswith("optimizer") for k in full) and not any(k.startswith("optimizer") for k in last)
     assert {v.properties.dtype for k, v in last.items() if hasattr(v, "properties")} == {torch.bfloat16}
     assert json.load(open(folder / "step-00000006" / "torchmeg.json"))["model_only"] is True
+
+
+OMP_TEAMS = r"""
+import os, sys, torch, torch.distributed as dist
+from torchmeg import runtime
+from torchmeg.checkpoint import CheckpointManager
+from torchmeg.config import load_config
+from torchmeg.spike import SpikeGuard
+from torchmeg.train_state import TrainState
+
+torch.set_num_threads(2)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+cfg = load_config("recipes/debug_llama.toml", [f"--job.dump_folder={sys.argv[1]}"])
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(24)])
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 256)).sum().backward()
+opt.step()
+ckpt = CheckpointManager(cfg, model, opt, TrainState(8, 256, SpikeGuard(0, 1, "log")), "world 1")
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+if sys.argv[3] == "manager":
+    ckpt.save(1)
+else:  # the same exchange outside the manager's guard: a gloo thread copies ~100 KB
+    dist.all_gather_object([None], "x" * 100_000)
+after = threads()
+x = torch.randn(1 << 16)
+x.mul_(1.0)  # the main team still runs
+dist.barrier()
+dist.destroy_process_group()
+print(before, after, torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+@pytest.mark.parametrize("how", ["manager", "unguarded"])
+def test_checkpoint_exchanges_start_no_second_openmp_team(how, tmp_path):
+    """A checkpoint save (DCP's plans and metadata through gloo's worker threads) leaves no second
+    OpenMP team behind: one would put libgomp over this machine's CPUs and throttle every parallel
+    region of the rest of the run (measured: -15% tokens/s after the debug recipe's first save).
+    The unguarded exchange shows the test can see a team start (one more thread)."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs two cores for a two-thread team")
+    p = subprocess.run([sys.executable, "-c", OMP_TEAMS, str(tmp_path), str(_free_port()), how], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    before, after, n = map(int, p.stdout.splitlines()[-1].split())
+    assert n == 2 and after == before + (0 if how == "manager" else 1), p.stdout

@@ -36,6 +36,7 @@ from torchmeg import resume
 from torchmeg.checkpoint_folder import (MARKER, committed_steps, crc32, resolve_folder, set_aside, step_dir,
                                         tmp_dir, verify_files)
 from torchmeg.errors import CheckpointError, ConfigError
+from torchmeg.runtime import collectives_in_one_thread
 from torchmeg.train_state import TrainState
 
 __all__ = ["MARKER", "CheckpointManager", "all_finite", "committed_steps", "resolve_folder", "step_dir"]
@@ -170,21 +171,15 @@ class CheckpointManager:
         """Load `path`; None if it is whole and finite, else the problem (one line, the same on
         every rank). A recipe that does not fit the checkpoint raises ConfigError instead: that
         is the user's call, not damage."""
-        problem, meta = None, {}
-        try:
-            with open(os.path.join(path, MARKER)) as fh:
-                meta = json.load(fh)
-            problem = verify_files(path, meta.get("files"), _my_share(list(meta.get("files") or [])))
-        except (OSError, ValueError) as e:
-            problem = f"{MARKER}: {_first_line(e)}"
-        problem = _agree(problem)
+        problem, meta = _read_marker(path)
         if problem:
             return problem
         offset, note = resume.data_position(path, meta, self.state.global_batch, self.state.seq_len,
                                             self.c.remap_data_position)
         recipe = resume.recipe_groups(self.optimizer)
         try:
-            dcp.load(self._states(model_only=meta.get("model_only", False)), checkpoint_id=path)
+            with collectives_in_one_thread():
+                dcp.load(self._states(model_only=meta.get("model_only", False)), checkpoint_id=path)
         except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
             problem = _first_line(e)
         problem = _agree(problem)
@@ -219,10 +214,12 @@ class CheckpointManager:
         t0 = time.perf_counter()
         marker = self.state.marker(step)  # as of this step, whenever the commit happens
         if self.c.async_mode == "async" and not last:
-            fut = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group)
+            with collectives_in_one_thread():
+                fut = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group)
             self.pending = (fut, tmp, final, step, t0, model_only, marker)
             return
-        dcp.save(states, checkpoint_id=tmp)
+        with collectives_in_one_thread():
+            dcp.save(states, checkpoint_id=tmp)
         self._commit(tmp, final, step, t0, model_only, marker)
 
     def wait(self) -> None:
@@ -272,6 +269,19 @@ class CheckpointManager:
         self.wait()
 
 
+def _read_marker(path: str) -> tuple[str | None, dict]:
+    """A committed checkpoint's marker and its files checked (this rank's share) -> (the problem, the
+    same on every rank, or None; the marker's metadata)."""
+    problem, meta = None, {}
+    try:
+        with open(os.path.join(path, MARKER)) as fh:
+            meta = json.load(fh)
+        problem = verify_files(path, meta.get("files"), _my_share(list(meta.get("files") or [])))
+    except (OSError, ValueError) as e:
+        problem = f"{MARKER}: {_first_line(e)}"
+    return _agree(problem), meta
+
+
 def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | None:
     """The weights of checkpoint.load_step (or the newest committed checkpoint) into `model`, whatever
     layout saved them (DCP reshards): for using a trained model (generation, evaluation). Verified as
@@ -287,14 +297,7 @@ def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | Non
         return None
     step = want if want != -1 else steps[-1]
     path = step_dir(folder, step)
-    problem, meta = None, {}
-    try:
-        with open(os.path.join(path, MARKER)) as fh:
-            meta = json.load(fh)
-        problem = verify_files(path, meta.get("files"), _my_share(list(meta.get("files") or [])))
-    except (OSError, ValueError) as e:
-        problem = f"{MARKER}: {_first_line(e)}"
-    problem = _agree(problem)
+    problem, meta = _read_marker(path)
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged ({problem}); pick another with checkpoint.load_step")
     saved = meta.get("tokenizer")
@@ -302,7 +305,8 @@ def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | Non
         raise ConfigError(f"checkpoint {path} was trained with tokenizer {saved}, the recipe's data.tokenizer = "
                           f"{cfg.data.tokenizer!r} is {tokenizer}; use the tokenizer the model was trained with")
     try:
-        dcp.load({"model": ModelState(model)}, checkpoint_id=path)
+        with collectives_in_one_thread():
+            dcp.load({"model": ModelState(model)}, checkpoint_id=path)
     except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
         problem = _first_line(e)
     problem = _agree(problem)

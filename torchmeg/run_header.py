@@ -29,6 +29,7 @@ def header_lines(tr) -> list[str]:
         f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
         f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
         f"layout     {d.describe()} | {tr.device.type} ({dist.get_backend()}) | {c.training.mixed_precision}"
+        + (" | glibc keeps freed memory" if runtime.FREED_MEMORY_KEPT else "")
         + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
         *_node_lines(d),
         f"parallel   {tr.built.report}",

@@ -24,6 +24,7 @@ from array import array
 
 import numpy as np
 
+from torchmeg.data.writer import AtomicStoreWriter
 from torchmeg.errors import StoreError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -135,15 +136,12 @@ class MegatronStore:
         return np.asarray(self.pointers[firsts]) // item
 
 
-class MegatronWriter:
+class MegatronWriter(AtomicStoreWriter):
     """Writes a Megatron indexed dataset: one sequence per document (as Megatron's preprocess_data.py
     without sentence splitting). Files appear atomically at `close()`; `abort()` removes them."""
 
     def __init__(self, prefix: str, vocab_size: int):
-        self.prefix, self.vocab_size = prefix, vocab_size
-        self.dtype = np.dtype(optimal_dtype(vocab_size))
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(prefix + ".bin.tmp", "wb")
+        super().__init__(prefix, vocab_size, optimal_dtype(vocab_size))
         self.lengths = array("q")
         self.n_tokens = 0
 
@@ -152,38 +150,16 @@ class MegatronWriter:
         return len(self.lengths)
 
     def add(self, tokens) -> None:
-        arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes())
-        self.lengths.append(len(arr))
-        self.n_tokens += len(arr)
+        n = self._write_tokens(tokens)
+        self.lengths.append(n)
+        self.n_tokens += n
 
-    def close(self) -> None:
-        self._bin.close()
+    def _index_bytes(self) -> list[bytes]:
         S = len(self.lengths)
         lengths = np.frombuffer(self.lengths, dtype=np.int64) if S else np.zeros(0, np.int64)
         if S and lengths.max() > np.iinfo(np.int32).max:
             raise ValueError("a document of more than 2^31 tokens does not fit Megatron's int32 sequence lengths")
         pointers = np.concatenate([[0], np.cumsum(lengths[:-1] * self.dtype.itemsize)]).astype(np.int64) if S \
             else np.zeros(0, np.int64)
-        with open(self.prefix + ".idx.tmp", "wb") as fh:
-            fh.write(_HEAD.pack(MAGIC, 1, _CODES[self.dtype], S, S + 1))
-            fh.write(lengths.astype(np.int32).tobytes())
-            fh.write(pointers.tobytes())
-            fh.write(np.arange(S + 1, dtype=np.int64).tobytes())
-        os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
-        os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
-
-    def abort(self) -> None:
-        self._bin.close()
-        for ext in (".bin.tmp", ".idx.tmp"):
-            try:
-                os.remove(self.prefix + ext)
-            except FileNotFoundError:
-                pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is not None:
-            self.abort()
+        return [_HEAD.pack(MAGIC, 1, _CODES[self.dtype], S, S + 1), lengths.astype(np.int32).tobytes(),
+                pointers.tobytes(), np.arange(S + 1, dtype=np.int64).tobytes()]

@@ -19,6 +19,7 @@ import numpy as np
 
 from torchmeg.data.megatron import MAGIC as MEGATRON_MAGIC
 from torchmeg.data.megatron import MegatronStore, MegatronWriter, is_megatron
+from torchmeg.data.writer import AtomicStoreWriter
 from torchmeg.errors import StoreError
 
 MAGIC = b"TMIDX1\0\0"
@@ -63,22 +64,17 @@ def check_token_ids(tokens, vocab_size: int, path: str) -> None:
                                  f"(another tokenizer's store, or damaged)")
 
 
-class StoreWriter:
+class StoreWriter(AtomicStoreWriter):
     """The earlier torchmeg layout. Append documents, then `close()`; files appear atomically
     (written as .tmp, then renamed). `abort()` (or an exception inside a `with` block) removes the
     partial files."""
 
     def __init__(self, prefix: str, vocab_size: int):
-        self.prefix, self.vocab_size = prefix, vocab_size
-        self.dtype = dtype_for(vocab_size)
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(prefix + ".bin.tmp", "wb")
+        super().__init__(prefix, vocab_size, dtype_for(vocab_size))
         self.offsets = [0]
 
     def add(self, tokens) -> None:
-        arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes())
-        self.offsets.append(self.offsets[-1] + len(arr))
+        self.offsets.append(self.offsets[-1] + self._write_tokens(tokens))
 
     @property
     def n_docs(self) -> int:
@@ -88,29 +84,10 @@ class StoreWriter:
     def n_tokens(self) -> int:
         return self.offsets[-1]
 
-    def close(self) -> None:
-        self._bin.close()
-        code = {np.uint16: 1, np.uint32: 2}[self.dtype]
-        with open(self.prefix + ".idx.tmp", "wb") as fh:
-            fh.write(_HEADER.pack(MAGIC, code, len(self.offsets) - 1, self.vocab_size))
-            fh.write(np.asarray(self.offsets, dtype=np.int64).tobytes())
-        os.replace(self.prefix + ".bin.tmp", self.prefix + ".bin")
-        os.replace(self.prefix + ".idx.tmp", self.prefix + ".idx")
-
-    def abort(self) -> None:
-        self._bin.close()
-        for ext in (".bin.tmp", ".idx.tmp"):
-            try:
-                os.remove(self.prefix + ext)
-            except FileNotFoundError:
-                pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is not None:
-            self.abort()
+    def _index_bytes(self) -> list[bytes]:
+        code = {np.uint16: 1, np.uint32: 2}[self.dtype.type]
+        return [_HEADER.pack(MAGIC, code, len(self.offsets) - 1, self.vocab_size),
+                np.asarray(self.offsets, dtype=np.int64).tobytes()]
 
 
 class Store:
