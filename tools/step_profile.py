@@ -21,26 +21,34 @@ import os
 import sys
 from collections import defaultdict
 
-# Kinds of work, matched on the operator name (first match wins).
-KINDS = [
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::_scaled_mm",
-                "aten::addmm_", "aten::_int_mm")),
-    ("attention", ("flash_attention", "efficient_attention", "cudnn_attention", "scaled_dot_product", "_sdpa")),
-    ("communication", ("c10d", "record_param_comms", "nccl", "gloo", "all_gather", "allgather", "reduce_scatter",
-                       "all_reduce", "allreduce", "all_to_all", "alltoall", "broadcast", "wait_tensor", "aten::wait")),
-    ("optimizer", ("_foreach", "_fused_adam", "Optimizer.")),
-    ("compiled kernels", ("Torch-Compiled Region", "CompiledFunction", "inductor", "triton_", "cpp_fused")),
-    ("copies", ("aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::to", "aten::_to_copy",
-                "aten::empty", "aten::zero_", "aten::fill_", "aten::zeros")),
-]
-MATMUL_FLOPS = {"aten::mm": 2, "aten::addmm": 2, "aten::addmm_": 2, "aten::bmm": 2, "aten::baddbmm": 2}
+# Kinds of work, by operator name. Exact names and prefixes, not substrings: "aten::to" must not take
+# aten::topk, "broadcast" not aten::broadcast_tensors (a view), "all_gather" not FSDP's copy-in.
+MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm",
+           "aten::_scaled_mm", "aten::_int_mm"}
+COPIES = {"aten::copy_", "aten::clone", "aten::contiguous", "aten::cat", "aten::to", "aten::_to_copy", "aten::empty",
+          "aten::empty_like", "aten::empty_strided", "aten::zero_", "aten::fill_", "aten::zeros", "aten::zeros_like",
+          "aten::_foreach_copy_", "fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat"}
+COMM_PREFIXES = ("c10d::", "_c10d_functional::", "c10d_functional::", "record_param_comms", "nccl:", "gloo:")
+ATTENTION_PARTS = ("flash_attention", "efficient_attention", "cudnn_attention", "scaled_dot_product", "_sdpa")
+COMPILED_PARTS = ("Torch-Compiled Region", "CompiledFunction", "inductor", "triton_", "cpp_fused")
+OPTIMIZER_PREFIXES = ("aten::_fused_adam", "aten::_foreach_")  # (foreach copies are FSDP's: COPIES, first)
+OTHER = "other ops (elementwise, norms, loss, ...)"
 
 
 def kind_of(name: str) -> str:
-    for kind, keys in KINDS:
-        if any(k in name for k in keys):
-            return kind
-    return "other ops (elementwise, norms, loss, ...)"
+    if name in MATMULS:
+        return "matmul"
+    if name in COPIES:
+        return "copies"
+    if any(k in name for k in ATTENTION_PARTS):
+        return "attention"
+    if name.startswith(COMM_PREFIXES):
+        return "communication"
+    if name.startswith(OPTIMIZER_PREFIXES):
+        return "optimizer"
+    if any(k in name for k in COMPILED_PARTS):
+        return "compiled kernels"
+    return OTHER
 
 
 def matmul_flops(name: str, dims) -> float:
@@ -107,12 +115,12 @@ def analyse(path: str) -> dict:
     kinds, names, phases = defaultdict(float), defaultdict(float), defaultdict(float)
     flops = mm_time = 0.0
     for e, self_us in self_times([o for o in ops if o.get("cat") == "cpu_op"]):
-        if e["tid"] != step_tid and kind_of(e["name"]) == "communication":
-            continue  # a collective's own threads: its time on the step's thread is what the step waited
         k = kind_of(e["name"])
+        if e["tid"] != step_tid and k == "communication":
+            continue  # a collective's own threads: its time on the step's thread is what the step waited
         kinds[k] += self_us
         names[e["name"]] += self_us
-        if e["name"] in MATMUL_FLOPS:
+        if k == "matmul":
             flops += matmul_flops(e["name"], e.get("args", {}).get("Input Dims"))
             mm_time += e["dur"]
     for e in ops:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+from torch.profiler import record_function
 
 from torchmeg.fused_ce import linear_cross_entropy
 from torchmeg.layout import Layout
