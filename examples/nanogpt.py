@@ -109,12 +109,12 @@ def main():
         ref_opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        diff = max(diff, abs(mean.item() / dp - ref_loss.item()))
+        diff = max(diff, abs(mean.item() / dp - ref_loss.item()) / abs(ref_loss.item()))
     if dist.get_rank() == 0:
         print(f"parallelize: {describe_report(report)}")
         print(f"{dims.describe()}: blocks {report['blocks']}, FSDP units {report.get('fsdp_units')}, "
               f"compiled {report.get('compiled_blocks', 0)}, recompute {report.get('recompute_blocks', 0)}; "
-              f"max |loss diff| vs one process over 3 steps = {diff:.2e}")
+              f"max relative loss diff vs one process over 3 steps = {diff:.2e}")
     dist.barrier()
     dist.destroy_process_group()
 

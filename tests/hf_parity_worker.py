@@ -104,7 +104,7 @@ def main():
                 rep = model.torchmeg_report
                 print(json.dumps({
                     "family": fam, "layout": layout, "layers": args.n_layers,
-                    "loss_diff": max(abs(g[0] - r[0]) for g, r in zip(got, reference)),
+                    "loss_rel_diff": max(abs(g[0] - r[0]) / abs(r[0]) for g, r in zip(got, reference)),
                     "grad_norm_rel_diff": max(abs(g[1] - r[1]) / r[1] for g, r in zip(got, reference)),
                     "loss": [g[0] for g in got], "ref_loss": [r[0] for r in reference],
                     "fsdp_units": rep.get("fsdp_units"), "compiled_blocks": rep.get("compiled_blocks"),

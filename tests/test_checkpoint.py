@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, _free_port, read_metrics, run_cli
+from conftest import (FP32_PARITY, ROOT, TINY, _free_port, assert_close, assert_tensor_close, read_metrics, rel_diff,
+                      run_cli)
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=4",
@@ -29,25 +30,34 @@ def uninterrupted(tmp_path_factory):
     return by_step(read_metrics(d))
 
 
-def same(ref, got, tol=0.0, steps=range(1, 21)):
+def same(ref, got, rtol=0.0, steps=range(1, 21)):
+    """rtol 0: bit for bit (the same layout resumed); else relative, as every parity (conftest)."""
     for s in steps:
         for k in ("loss", "grad_norm"):
-            assert abs(ref[s][k] - got[s][k]) <= tol, f"step {s} {k}: {ref[s][k]!r} vs {got[s][k]!r}"
+            if rtol == 0.0:
+                assert ref[s][k] == got[s][k], f"step {s} {k}: {ref[s][k]!r} vs {got[s][k]!r}"
+            else:
+                assert_close(ref[s][k], got[s][k], rtol, f"step {s} {k}")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout, extra", [
     ("single", 1, 4, [], []),
     ("fsdp2", 2, 2, [P + "data_parallel_shard_degree=2"], []),
-    ("single_async", 1, 4, [], ["--checkpoint.async_mode=async"]),
+    ("fsdp2_async", 2, 2, [P + "data_parallel_shard_degree=2"], ["--checkpoint.async_mode=async"]),
 ])
 def test_exact_resume(name, ranks, local, layout, extra, tmp_path, uninterrupted):
+    """SIGKILL after step 10 (a save step), or, async, after step 8: the step-5 save's background write
+    finished (the kill hook waits for it, so the test does not race the disk) and the next interval is
+    still 2 steps away. An async save is committed at the first step after its write finished, so the
+    restart resumes from step 5; committed only at the next save (as before), it was lost."""
     args = BASE + CK + [f"--training.local_batch_size={local}"] + layout + extra
-    p = run_cli(args, tmp_path, nproc=ranks, env={"TORCHMEG_TEST_KILL_AT_STEP": "10"}, check=False)
-    assert p.returncode != 0 and len(read_metrics(tmp_path)) == 10
+    kill = 8 if "async" in name else 10
+    p = run_cli(args, tmp_path, nproc=ranks, env={"TORCHMEG_TEST_KILL_AT_STEP": str(kill)}, check=False)
+    assert p.returncode != 0 and len(read_metrics(tmp_path)) == kill
+    if "async" in name:
+        assert "[checkpoint] step 5 committed" in p.stdout, p.stdout[-2000:]
     p = run_cli(args, tmp_path, nproc=ranks)
-    # An async save is committed when the next one starts (or at exit): the step-10 save was still
-    # in flight when the process died, so it never became a checkpoint and step 5 is the latest.
     resumed = 5 if "async" in name else 10
     assert f"resumed   from step {resumed}" in p.stdout
     rows = read_metrics(tmp_path)
@@ -75,7 +85,7 @@ def test_reshard_fsdp2_to_tp2_and_single(tmp_path, uninterrupted):
         assert "resumed   from step 10" in p.stdout
         got = by_step(read_metrics(tmp_path, name))
         assert sorted(got) == list(range(11, 21))
-        same(uninterrupted, got, tol=1e-5, steps=range(11, 21))
+        same(uninterrupted, got, rtol=FP32_PARITY, steps=range(11, 21))
         # leave step 10 as the latest for the next layout
         import shutil
         shutil.rmtree(folder / "step-00000020")
@@ -86,7 +96,7 @@ def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
     args = BASE + CK + ["--training.local_batch_size=2", P + "data_parallel_shard_degree=2"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
-    env = dict(os.environ, TORCHMEG_TEST_KILL_AT_STEP="12", TORCHMEG_TEST_KILL_RANK="1", TORCHMEG_PG_TIMEOUT="120")
+    env = dict(os.environ, TORCHMEG_TEST_KILL_AT_STEP="12", TORCHMEG_TEST_KILL_RANK="1")
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed   from step 10" in p.stdout
@@ -98,14 +108,28 @@ def test_sigkill_rank_restarts_and_resumes(tmp_path, uninterrupted):
 
 
 @pytest.mark.slow
-def test_save_killed_mid_write_keeps_previous(tmp_path, uninterrupted):
+@pytest.mark.parametrize("damage", ["none", "no_metadata", "short_file"])
+def test_save_killed_before_commit(tmp_path, uninterrupted, damage):
+    """Killed after step 10's files were written, before its commit: the restart commits that save
+    and resumes from step 10 (nothing written is lost). The same save cut off mid-write (DCP's
+    .metadata, written last, missing; or a data file short of what it records) is removed and the run
+    resumes from step 5. Either way the rest of the run equals the uninterrupted one bit for bit."""
     args = BASE + CK + ["--training.local_batch_size=4"]
     p = run_cli(args, tmp_path, env={"TORCHMEG_TEST_KILL_IN_SAVE": "10"}, check=False)
     assert p.returncode == 17
     folder = tmp_path / "run" / "checkpoint"
     assert sorted(os.listdir(folder)) == [".tmp-step-00000010", "step-00000005"]
+    tmp = folder / ".tmp-step-00000010"
+    if damage == "no_metadata":
+        os.remove(tmp / ".metadata")
+    elif damage == "short_file":
+        data = max((f for f in os.listdir(tmp) if f.endswith(".distcp")), key=lambda f: os.path.getsize(tmp / f))
+        with open(tmp / data, "r+b") as fh:
+            fh.truncate(os.path.getsize(tmp / data) // 2)
     p = run_cli(args, tmp_path)
-    assert "resumed   from step 5" in p.stdout
+    resumed = 10 if damage == "none" else 5
+    assert f"resumed   from step {resumed}" in p.stdout, p.stdout[-2000:]
+    assert ("committed now" in p.stdout) == (damage == "none") and ("interrupted save" in p.stdout) != (damage == "none")
     assert not any(n.startswith(".tmp") for n in os.listdir(folder))
     same(uninterrupted, by_step(read_metrics(tmp_path)))
 
@@ -184,14 +208,14 @@ def test_hf_export_and_import_logits(tmp_path, tied):
     hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     x = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (hf(x).logits - m(x)).abs().max() < 1e-4
+        assert_tensor_close(hf(x).logits, m(x), FP32_PARITY, "exported logits")
         for p in hf.parameters():  # an HF model with other weights, imported back
             p.add_(torch.randn_like(p) * 0.01)
     hf.save_pretrained(str(tmp_path / "hf2"))
     m2 = _tiny_llama(tie_embeddings=tied).eval()
     m2.load_state_dict(load_hf(str(tmp_path / "hf2"), m2.args))
     with torch.no_grad():
-        assert (hf(x).logits - m2(x)).abs().max() < 1e-4
+        assert_tensor_close(hf(x).logits, m2(x), FP32_PARITY, "imported logits")
 
 
 @pytest.mark.slow
@@ -219,7 +243,10 @@ def test_export_hf_at_end_of_training_and_convert_tool(tmp_path):
                 name="from_hf")
     first = read_metrics(tmp_path, "from_hf")[0]["loss"]
     trained_last = read_metrics(tmp_path)[-1]["loss"]
-    assert first < read_metrics(tmp_path)[0]["loss"] - 0.3 and abs(first - trained_last) < 1.0
+    # Started from the trained weights, not from scratch: well below a fresh start's first loss, near
+    # the trained run's last one (another batch: relative bounds, loose on purpose).
+    assert first < 0.95 * read_metrics(tmp_path)[0]["loss"] and rel_diff(first, trained_last) < 0.3, \
+        (first, trained_last, read_metrics(tmp_path)[0]["loss"])
 
 
 def test_last_save_model_only_in_bf16(tmp_path):

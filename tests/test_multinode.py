@@ -33,7 +33,7 @@ def _agent(node: int, out, port: int, extra=(), env=None, nnodes=2, rdzv_conf=No
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}", "--max-restarts=1"]
     cmd += [f"--rdzv-conf={rdzv_conf}"] if rdzv_conf else []
     cmd += ["-m", "torchmeg.train", f"--job.dump_folder={out}", "--job.name=run"] + ARGS + HSDP + list(extra)
-    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60", TORCHMEG_CACHE=str(out / f"cache{node}"),
+    e = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_CACHE=str(out / f"cache{node}"),
              **(env or {}))
     log = open(out / f"agent{node}.log", "a")
     p = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -92,7 +92,7 @@ def two_nodes(tmp_path_factory):
 def test_two_nodes_train_hsdp_like_one_process_and_prepare_data_once_per_node(two_nodes, tmp_path):
     ref = tmp_path / "ref"
     run_cli(ARGS + ["--training.local_batch_size=8"], ref)
-    assert_parity(read_metrics(ref), read_metrics(two_nodes))  # 1e-5, as every layout on one machine
+    assert_parity(read_metrics(ref), read_metrics(two_nodes))  # the parity rule, as every layout on one machine
     log0, log1 = _log(two_nodes, 0), _log(two_nodes, 1)
     assert "nodes      2 x 2 ranks: within a node: dp_shard 2; across nodes: dp_replicate 2" in log0
     # each node's local rank 0 built its node's cache, once; nobody else did
@@ -155,7 +155,7 @@ def test_the_slurm_script_launches_two_nodes(tmp_path):
         os.chmod(bin_ / f, 0o755)
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", SLURM_JOB_NODELIST="fake[1-2]", SLURM_JOB_NUM_NODES="2",
                SLURM_JOB_ID=str(_port()), TORCHMEG_RDZV_PORT=str(_port()), TORCHMEG_NPROC_PER_NODE="2",
-               TMP_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60")
+               TMP_CACHE=str(tmp_path / "cache"), PYTHONUNBUFFERED="1", PYTHON=sys.executable)  # this interpreter, not PATH's
     p = subprocess.run(["bash", "tools/slurm/train.sbatch", "recipes/debug_llama.toml", f"--job.dump_folder={tmp_path}",
                         "--job.name=slurm"] + TINY + ["--training.steps=4", "--training.global_batch_size=16"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)

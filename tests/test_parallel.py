@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, reference_run, assert_parity as compare, TINY, read_metrics, run_cli
+from conftest import BF16_U, FP32_PARITY, ROOT, reference_run, assert_parity as compare, TINY, read_metrics, run_cli
 
 GLOBAL = 8
 BASE = TINY + ["--training.steps=4", "--training.deterministic=true", f"--training.global_batch_size={GLOBAL}"]
-TOL = 1e-5
+TOL = FP32_PARITY
 
 
 
@@ -53,8 +53,30 @@ def test_llama_layout_matches_single_process(name, tmp_path, reference):
     ranks, local, layout = LAYOUTS[name]
     # The README's TP2 command runs under torchrun itself; the rest use the same worker environment.
     run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks,
-            torchrun=name == "tp2_sp_loss_parallel")
+            torchrun=name == "tp2_sp_loss_parallel", env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
     compare(reference(), read_metrics(tmp_path), TOL)
+    if "tp2" in name:  # a TP that silently replicated would pass the comparison: assert it sharded
+        for rank in range(ranks):
+            assert_tp_sharded(json.loads((tmp_path / f"ops.rank{rank}.json").read_text())["params"], tp=2)
+
+
+def assert_tp_sharded(params: dict, tp: int) -> None:
+    """Every Linear weight of attention and MLP, the embedding and the head: a DTensor sharded on
+    the mesh's tp dim (colwise: dim 0, rowwise: dim 1), holding 1/tp of it there; norms replicated
+    over tp."""
+    linears = [n for n in params if n.endswith(".weight") and len(params[n]["global"]) == 2]
+    assert len(linears) >= 7 * 2 + 2, linears  # q k v o, w1 w2 w3 per layer; embedding, head
+    for n in linears:
+        p = params[n]
+        assert "tp" in p["mesh"], (n, p)
+        place = p["placements"][p["mesh"].index("tp")]
+        want = "Shard(1)" if n.endswith(("wo.weight", "w2.weight")) else "Shard(0)"
+        assert place == want, (n, p)
+        d = int(place[-2])
+        assert p["local"][d] * tp <= p["global"][d] + tp, (n, p)  # (FSDP may shard the other dim further)
+    for n in params:
+        if "norm" in n and "tp" in params[n]["mesh"]:
+            assert params[n]["placements"][params[n]["mesh"].index("tp")] == "Replicate", (n, params[n])
 
 
 @pytest.mark.slow
@@ -79,7 +101,6 @@ def test_gpt2_tied_tp2_sp_matches(tmp_path):
 #    two in fp32: |g_fsdp - g_one| <= u (|g_a| + |g_b| + |g_a + g_b|) ~ 2u |g| -> rel diff <= 2u.
 #  * later grad norms are not compared: the norm of a 4-step bf16 trajectory moves by 2% between bf16
 #    and fp32 runs (measured), so a bound on it would test the chaos of training, not the layout.
-BF16_U = 2.0 ** -8
 
 
 def _bf16_record(tmp_path, name):

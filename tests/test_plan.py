@@ -43,7 +43,7 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     # without the data counts as one document per window, an upper bound; FLOPs must match here)
     common = ["--config", RECIPE, f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false",
               "--data.document_masking=false"] + extra
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", str(world), "--json",
                                 str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -23,8 +24,7 @@ def launch_unsupervised(args, tmp_path, nproc, env, timeout=90):
     t0 = time.time()
     for r in range(nproc):
         e = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                 TORCHMEG_PG_TIMEOUT="300", **env)
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
@@ -146,3 +146,49 @@ def test_failure_under_torchrun_max_restarts_resumes(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "injected failure at step 5 on rank 1" in p.stderr and "resumed   from step 3" in p.stdout
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 7))
+
+
+def test_collective_timeouts_follow_the_phase_and_stay_above_the_watchdog():
+    """comm.init_timeout_seconds on every group (the mesh's too: torch gives those gloo's 30 min, not
+    the init's) until the steady steps, then comm.train_timeout_seconds -- or 1.25 x the watchdog's
+    step limit when that is longer -- except on the async checkpoint's group; long again for
+    evaluation and checkpoint I/O. Read back from each gloo backend's options."""
+    script = textwrap.dedent("""
+        import datetime, json, os, torch, torch.distributed as dist
+        from torchmeg.config import load_config
+        from torchmeg.runtime import CollectiveTimeouts, init_distributed
+        cfg = load_config(None, ["--comm.init_timeout_seconds=900", "--comm.train_timeout_seconds=200"])
+        init_distributed(torch.device("cpu"), cfg.comm.init_timeout_seconds)
+        mesh_group, ckpt_group = dist.new_group([0]), dist.new_group([0])
+        def read():
+            return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for g in (dist.group.WORLD, mesh_group, ckpt_group)]
+        out = {"made": read()}
+        t = CollectiveTimeouts(cfg, keep_long=[ckpt_group])
+        out["start"] = read()
+        t.steady(120.0)
+        out["steady"] = read()
+        t.steady(400.0)
+        out["slow_steps"] = read()
+        t.long()
+        out["eval"] = read()
+        print(json.dumps(out))
+        dist.destroy_process_group()
+    """)
+    p = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["made"][0] == 900 and out["made"][1] == 1800  # torch's own default for a new gloo group
+    assert out["start"] == [900, 900, 900]
+    assert out["steady"] == [200, 200, 900]
+    assert out["slow_steps"] == [500, 500, 900]  # 1.25 x a watchdog limit of 400 s
+    assert out["eval"] == [900, 900, 900]
+
+
+@pytest.mark.parametrize("keys, msg", [
+    (["--comm.init_timeout_seconds=600"], "comm.init_timeout_seconds = 600: must exceed training.watchdog_startup_s"),
+    (["--comm.train_timeout_seconds=60"], "comm.train_timeout_seconds = 60: must exceed training.watchdog_min_s"),
+])
+def test_timeouts_below_the_watchdog_are_refused(keys, msg, tmp_path):
+    p = run_cli(TINY + keys, tmp_path, check=False)
+    assert p.returncode == 2 and msg in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

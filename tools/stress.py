@@ -43,7 +43,7 @@ def one_run(ranks: int, args: list[str], workdir: str, timeout: int) -> tuple[in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "-m", "torchmeg.train", "--config", os.path.join(ROOT, "recipes", "debug_llama.toml"),
            f"--job.dump_folder={workdir}", "--job.name=stress"] + args
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHMEG_PG_TIMEOUT="60")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

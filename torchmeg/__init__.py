@@ -6,6 +6,22 @@ validate, Layout, build_model, register, ModelSpec, init_weights.
 """
 __version__ = "0.1.0"
 
+import logging as _logging
+
+
+class _TorchaoEnumNotice(_logging.Filter):
+    """torchao (0.18) registers its Enums with torch's pytree at import, and torch 2.13 logs a
+    deprecation for each ("<enum 'KernelPreference'> is an Enum subclass ... register_constant() is
+    deprecated") on every rank of every run that imports it: only that message, for torchao's
+    classes, is dropped; every other pytree warning still shows."""
+
+    def filter(self, record):
+        return not (record.getMessage().find("is an Enum subclass") >= 0 and record.args
+                    and getattr(record.args[0], "__module__", "").startswith("torchao"))
+
+
+_logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumNotice())
+
 
 def __getattr__(name):
     # Each import below is lazy by design (see the docstring).

@@ -3,6 +3,10 @@
 A save writes into `.tmp-step-N/`, every rank finishes (barrier), then rank 0 writes torchmeg.json
 and renames the folder to `step-N/`: a reader sees a whole checkpoint or none (folder layout:
 torchmeg.checkpoint_folder). Older ones are pruned only after a newer one is committed.
+An async save is committed at the first step at which every rank's background write has finished
+(`poll`, once a step), not at the next save. A save whose process died between its last write and
+its commit is not lost: the next start finds its files complete against DCP's own metadata and
+commits it (`recover`); only a save cut off mid-write is discarded.
 
 Checkpoints that refuse to lie: torchmeg.json also records every file's size and CRC32 (the ranks
 hash their share in parallel), the recipe's optimizer / schedule keys and the data position. At
@@ -33,8 +37,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmeg import resume
-from torchmeg.checkpoint_folder import (MARKER, committed_steps, crc32, resolve_folder, set_aside, step_dir,
-                                        tmp_dir, verify_files)
+from torchmeg.checkpoint_folder import (MARKER, PENDING, committed_steps, crc32, incomplete_write, resolve_folder,
+                                        set_aside, step_dir, tmp_dir, verify_files)
 from torchmeg.errors import CheckpointError, ConfigError
 from torchmeg.runtime import collectives_in_one_thread
 from torchmeg.train_state import TrainState
@@ -128,10 +132,31 @@ class CheckpointManager:
         self.async_group = dist.new_group(backend="gloo") if self.c.async_mode == "async" else None
         if self.rank == 0:
             os.makedirs(self.folder, exist_ok=True)
-            for name in os.listdir(self.folder):
-                if name.startswith(".tmp-step-"):  # an interrupted save: never valid, never loaded
-                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+            self._recover()
         dist.barrier()
+
+    def _recover(self) -> None:
+        """Rank 0 at start: a save whose every file was written (DCP's metadata is written last,
+        after all ranks' data; each file it names present at its full size) but whose process died
+        before the commit is committed now; a save cut off mid-write is removed, never loaded."""
+        for name in sorted(os.listdir(self.folder)):
+            if not name.startswith(".tmp-step-"):
+                continue
+            tmp = os.path.join(self.folder, name)
+            problem = incomplete_write(tmp)
+            step = int(name.rsplit("-", 1)[1])
+            if problem is None and not os.path.exists(step_dir(self.folder, step)):
+                with open(os.path.join(tmp, PENDING)) as fh:
+                    meta = json.load(fh)
+                files = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))]
+                         for n in os.listdir(tmp) if n != PENDING} if self.c.verify else None
+                self._publish(tmp, step_dir(self.folder, step), meta, files)
+                print(f"[checkpoint] step {step}: its save was written in full before the last run ended, but "
+                      f"not committed; committed now", flush=True)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+                print(f"[checkpoint] removed {name}: an interrupted save ({problem or 'step already committed'})",
+                      flush=True)
 
     def _states(self, model_only: bool = False) -> dict:
         if model_only:
@@ -212,51 +237,77 @@ class CheckpointManager:
             dtype = getattr(torch, self.c.export_dtype)
             states = {"model": {k: v.to(dtype) for k, v in get_model_state_dict(self.model).items()}}
         t0 = time.perf_counter()
-        marker = self.state.marker(step)  # as of this step, whenever the commit happens
+        if self.rank == 0:  # the marker-to-be first: what a restart needs to commit this save if we die
+            os.makedirs(tmp, exist_ok=True)
+            _write_json(os.path.join(tmp, PENDING), self._meta(step, model_only))
         if self.c.async_mode == "async" and not last:
             with collectives_in_one_thread():
                 fut = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group)
-            self.pending = (fut, tmp, final, step, t0, model_only, marker)
+            self.pending = (fut, tmp, final, step, t0)
             return
         with collectives_in_one_thread():
             dcp.save(states, checkpoint_id=tmp)
-        self._commit(tmp, final, step, t0, model_only, marker)
+        self._commit(tmp, final, step, t0)
+
+    def _meta(self, step: int, model_only: bool) -> dict:
+        """torchmeg.json less the files' checksums, as of this step (whenever the commit happens)."""
+        c, marker = self.cfg, self.state.marker(step)
+        return {"step": step, "time": time.time(), "layout": self.layout, "model_only": model_only,
+                "model": f"{c.model.name}/{c.model.flavor}", "tokenizer": self.tokenizer,
+                "recipe": resume.recipe_record(c), "data": marker["data"], "loss_history": marker["loss_history"]}
+
+    def poll(self) -> bool:
+        """Once a step: commit the async save in flight if every rank's background write has
+        finished (one scalar all-reduce while a save is in flight, nothing otherwise).
+        -> whether a commit happened."""
+        if self.pending is None:
+            return False
+        done = torch.tensor([1.0 if self.pending[0].done() else 0.0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item() < 1.0:
+            return False
+        self.wait()
+        return True
+
+    def wait_for_write(self) -> None:
+        """Block until the async save in flight has written its files, without committing it (tests)."""
+        if self.pending is not None:
+            self.pending[0].result()
 
     def wait(self) -> None:
         if self.pending is None:
             return
-        fut, tmp, final, step, t0, model_only, marker = self.pending
+        fut, tmp, final, step, t0 = self.pending
         self.pending = None
         fut.result()
-        self._commit(tmp, final, step, t0, model_only, marker)
+        self._commit(tmp, final, step, t0)
 
-    def _commit(self, tmp, final, step, t0, model_only, marker: dict) -> None:
+    def _commit(self, tmp, final, step, t0) -> None:
         _test_hook_kill_before_commit(step)
         dist.barrier()  # every rank's shards are on disk
         files = None
         if self.c.verify:  # each rank hashes its share of the files; rank 0 records them all
             mine = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))]
-                    for n in _my_share(os.listdir(tmp))}
+                    for n in _my_share([n for n in os.listdir(tmp) if n != PENDING])}
             files = {k: v for part in _gather(mine) for k, v in part.items()}
         if self.rank == 0:
-            c = self.cfg
-            meta = {"step": step, "time": time.time(), "layout": self.layout, "model_only": model_only,
-                    "model": f"{c.model.name}/{c.model.flavor}", "tokenizer": self.tokenizer,
-                    "recipe": resume.recipe_record(c),
-                    "data": marker["data"], "files": files, "loss_history": marker["loss_history"]}
-            with open(os.path.join(tmp, MARKER), "w") as fh:
-                json.dump(meta, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            # A folder already at this step (an incomplete one, or one this resume re-trains over)
-            # must never block the new save: set it aside, commit, then delete it.
-            old = set_aside(final, ".replaced") if os.path.exists(final) else None
-            os.replace(tmp, final)
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
-            self._prune()
+            with open(os.path.join(tmp, PENDING)) as fh:
+                meta = json.load(fh)
+            self._publish(tmp, final, meta, files)
             print(f"[checkpoint] step {step} committed to {final} in {time.perf_counter() - t0:.2f} s", flush=True)
         dist.barrier()
+
+    def _publish(self, tmp: str, final: str, meta: dict, files: dict | None) -> None:
+        """Rank 0: torchmeg.json written (fsynced), the folder renamed into place, old ones pruned."""
+        _write_json(os.path.join(tmp, MARKER), dict(meta, files=files))
+        os.remove(os.path.join(tmp, PENDING))
+        # A folder already at this step (an incomplete one, or one this resume re-trains over)
+        # must never block the new save: set it aside, commit, then delete it.
+        old = set_aside(final, ".replaced") if os.path.exists(final) else None
+        os.replace(tmp, final)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        self._prune()
 
     def _prune(self) -> None:
         k = self.c.keep_latest_k
@@ -267,6 +318,13 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def _read_marker(path: str) -> tuple[str | None, dict]:

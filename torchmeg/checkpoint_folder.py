@@ -1,7 +1,8 @@
 """The checkpoint folder on disk, apart from what is in a checkpoint.
 
   step-00000010/           a COMMITTED checkpoint (DCP files + torchmeg.json), only ever renamed in
-  .tmp-step-00000015/      a save in progress; never loaded, removed at the next start
+  .tmp-step-00000015/      a save in progress (DCP files + torchmeg.pending.json); never loaded; at the
+                           next start committed if its write completed, else removed
   step-00000005.damaged/   one that failed its checks at load (kept for inspection, never loaded)
 
 torchmeg.json (MARKER) is written last, by rank 0, and records every file's size and CRC32.
@@ -15,6 +16,7 @@ import zlib
 from torchmeg.errors import ConfigError
 
 MARKER = "torchmeg.json"
+PENDING = "torchmeg.pending.json"  # the marker-to-be (no checksums), written before the data
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -79,6 +81,29 @@ def verify_files(path: str, files: dict | None, mine: list[str]) -> str | None:
             return f"{name} has {os.path.getsize(f)} bytes, {size} were written"
         if crc32(f) != crc:
             return f"{name} fails its CRC32 check (bytes changed since the save)"
+    return None
+
+
+def incomplete_write(tmp: str) -> str | None:
+    """Why save folder `tmp` was not written in full, or None if it was: its marker-to-be and DCP's
+    .metadata (written last, by the coordinator, once every rank's data is on disk) are there, and
+    every file that metadata points into holds the bytes it points at."""
+    from torch.distributed.checkpoint import FileSystemReader  # (DCP's reader: only here, at a restart)
+    if not os.path.isfile(os.path.join(tmp, PENDING)):
+        return f"no {PENDING}"
+    if not os.path.isfile(os.path.join(tmp, ".metadata")):
+        return "no .metadata: the write did not finish"
+    try:
+        storage = FileSystemReader(tmp).read_metadata().storage_data or {}
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata means: not a finished write
+        return f".metadata unreadable ({type(e).__name__})"
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in need.items():
+        f = os.path.join(tmp, rel)
+        if not os.path.isfile(f) or os.path.getsize(f) < size:
+            return f"{rel} is missing or short"
     return None
 
 

@@ -67,3 +67,22 @@ def compile_blocks(model: nn.Module, tp: bool = False, cp: bool = False, blocks_
 def compile_loss(fn, cache_dir: str = ""):
     setup(cache_dir)
     return torch.compile(fn)
+
+
+def compile_summary(parts: list[nn.Module], blocks_path: str = "") -> str:
+    """What the compiler really did in this process, from dynamo's and inductor's own records: the
+    graphs dynamo holds for the blocks' forward code (a block compile that silently did nothing --
+    a wrapper never called, a frame skipped -- holds none, even where the loss compiled), and the
+    counters of every graph dynamo and inductor made."""
+    # (dynamo's records, read once at the end of a run)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+    codes = {type(b).forward.__code__ for part in parts for b in blocks(part, blocks_path)}
+    block_graphs = sum(len(_debug_get_cache_entry_list(c)) for c in codes)
+    graphs = counters["stats"]["unique_graphs"]
+    inductor = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+    cached = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    breaks = sum(counters["graph_break"].values())
+    return (f"[compile] blocks' forward: {block_graphs} graphs; dynamo graphs {graphs}, inductor graphs {inductor} "
+            f"(forward and backward; "
+            f"{cached} from the cache), graph breaks {breaks}")

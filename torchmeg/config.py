@@ -199,6 +199,20 @@ class Profiling:
 
 
 @dataclass
+class Comm:
+    # As torchtitan's comm.*_timeout_seconds: a long limit while ranks may legitimately wait on each
+    # other for minutes (start-up, compilation of the first steps, evaluation, checkpoint I/O), a
+    # shorter one between steady training steps. Each stays above the watchdog's limit for the same
+    # phase, so a hang is reported by the watchdog (phase, stacks) before a collective times out.
+    init_timeout_seconds: float = _f(2400.0, lo=1.0, help="collective timeout at start-up, in the first training "
+                                                          "steps, evaluation and checkpoint I/O; must exceed "
+                                                          "training.watchdog_startup_s")
+    train_timeout_seconds: float = _f(600.0, lo=1.0, help="collective timeout in steady training steps (raised to "
+                                                          "1.25 x the watchdog's step limit when that is longer); "
+                                                          "must exceed training.watchdog_min_s")
+
+
+@dataclass
 class Plan:
     world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
                                         "degrees, which then must not use data_parallel_shard_degree = -1")
@@ -222,6 +236,7 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     plan: Plan = field(default_factory=Plan)
+    comm: Comm = field(default_factory=Comm)
 
     # Where the recipe came from (for relative paths and messages); not a recipe key.
     source: str = field(default="<defaults>", repr=False)

@@ -11,7 +11,6 @@ Float8Linear modules and picks torchao's Float8 TP styles (float8 casts before t
 from __future__ import annotations
 
 import dataclasses
-import logging
 import sys
 
 import torch
@@ -42,8 +41,6 @@ def _filter(filter_fqns):
 def apply_float8(model: nn.Module, f8, device_type: str) -> bool:
     """Convert in place; returns True if any Linear was converted."""
     # torchao is imported here, lazily: only runs with float8 on pay for it (~1 s, pytree registrations).
-    # torchao registers an Enum with torch's pytree at import; torch 2.13 logs a deprecation for it.
-    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: see above
     from torchao.float8.float8_linear import Float8Linear  # lazy: see above
     config = Float8LinearConfig.from_recipe_name(f8.recipe)

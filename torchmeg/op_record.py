@@ -1,5 +1,6 @@
 """What actually ran in a training step: the dtypes reaching each matmul/attention op, every dtype
-any op touched, and the modules float8 converted. A precision feature that silently does nothing
+any op touched, the modules float8 converted, and how every parameter is laid out (DTensor mesh,
+placements, local and global shape: a tensor parallel that silently replicated shows here). A precision feature that silently does nothing
 (a bf16 policy left in fp32, a float8 conversion that matched no Linear) shows up here, where
 comparing two runs of the same silent no-op cannot see it.
 
@@ -46,7 +47,21 @@ class OpRecorder(TorchDispatchMode):
     def report(self, model: torch.nn.Module) -> dict:
         return {"matmul_dtypes": {k: sorted(v) for k, v in sorted(self.matmul.items())},
                 "dtypes_seen": sorted(self.seen),
-                "float8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_float8_linear(m))}
+                "float8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_float8_linear(m)),
+                "params": {_clean(n): _layout(p) for n, p in model.named_parameters()}}
+
+
+def _placement(x) -> str:
+    if x.is_shard():
+        return f"Shard({x.dim})"
+    return "Replicate" if x.is_replicate() else "Partial"
+
+
+def _layout(p: torch.Tensor) -> dict:
+    if hasattr(p, "placements"):  # a DTensor (duck-typed: this module imports nothing distributed)
+        return {"mesh": list(p.device_mesh.mesh_dim_names or ()), "placements": [_placement(x) for x in p.placements],
+                "local": list(p.to_local().shape), "global": list(p.shape)}
+    return {"mesh": [], "placements": [], "local": list(p.shape), "global": list(p.shape)}
 
 
 def _clean(fqn: str) -> str:

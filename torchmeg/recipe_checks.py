@@ -63,7 +63,25 @@ def _check_special(cfg: Config) -> None:
         raise ConfigError(f"compile.components = {comps!r}: unknown component {bad[0]!r}; allowed: model, loss")
 
 
+def _check_timeouts(cfg: Config) -> None:
+    """A collective must not time out before the watchdog of the same phase reports the hang: the
+    watchdog names the phase and dumps every thread's stack; a timed-out collective only says which
+    collective, on the ranks that were waiting, not on the one that hung."""
+    t, c = cfg.training, cfg.comm
+    if t.watchdog_factor <= 0:
+        return
+    if c.init_timeout_seconds <= t.watchdog_startup_s:
+        raise ConfigError(f"comm.init_timeout_seconds = {c.init_timeout_seconds:g}: must exceed "
+                          f"training.watchdog_startup_s = {t.watchdog_startup_s:g} (a waiting rank would time out "
+                          f"before the watchdog reports the hang); raise it or lower watchdog_startup_s")
+    if c.train_timeout_seconds <= t.watchdog_min_s:
+        raise ConfigError(f"comm.train_timeout_seconds = {c.train_timeout_seconds:g}: must exceed "
+                          f"training.watchdog_min_s = {t.watchdog_min_s:g} (a waiting rank would time out before "
+                          f"the watchdog reports the hang); raise it or lower watchdog_min_s")
+
+
 def check_recipe(cfg: Config) -> None:
     """Everything the recipe alone decides: types and ranges of every key, choices, keys that go together."""
     _check_field_ranges(cfg)
     _check_special(cfg)
+    _check_timeouts(cfg)

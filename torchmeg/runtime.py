@@ -70,7 +70,7 @@ def start(cfg, dims) -> tuple[torch.device, object, object]:
     device = pick_device(cfg)
     if device.type == "cpu" and cfg.job.cpu_keep_freed_memory:
         keep_freed_memory()
-    init_distributed(device)
+    init_distributed(device, cfg.comm.init_timeout_seconds)
     torch.manual_seed(cfg.job.seed)
     return device, dims.build_mesh(device.type), dims.build_ep_mesh(device.type)
 
@@ -83,9 +83,10 @@ def end() -> None:
         dist.destroy_process_group()
 
 
-def init_distributed(device: torch.device) -> None:
-    """Always a process group (a world of 1 too), so one code path serves every layout."""
-    timeout = datetime.timedelta(seconds=int(os.environ.get("TORCHMEG_PG_TIMEOUT", "300")))
+def init_distributed(device: torch.device, timeout_s: float) -> None:
+    """Always a process group (a world of 1 too), so one code path serves every layout. Its timeout
+    (and the store's) is comm.init_timeout_seconds; CollectiveTimeouts shortens it in steady steps."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if "RANK" in os.environ:
         kw = {"device_id": device} if device.type == "cuda" else {}
@@ -106,6 +107,40 @@ def init_distributed(device: torch.device) -> None:
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     guard.set_store(store)  # where a failing rank leaves its error for the others
+
+
+class CollectiveTimeouts:
+    """The process groups' timeout per phase of the loop: comm.init_timeout_seconds while ranks may
+    wait on each other for long (start-up, the first steps, evaluation, checkpoint I/O),
+    comm.train_timeout_seconds in steady steps -- never below 1.25 x the watchdog's step limit, which
+    grows with the median step, so the watchdog always speaks first. Set on every group this process
+    has (the mesh's too) but `keep_long` (an async checkpoint's group: its writes run under steps).
+    Made once the run's groups exist: it first sets the long limit on all of them (torch gives a
+    group made after init_process_group its backend's default, 30 min on gloo, not the init's)."""
+
+    def __init__(self, cfg, keep_long=()):
+        self.init_s, self.train_s = cfg.comm.init_timeout_seconds, cfg.comm.train_timeout_seconds
+        self.keep_long = [g for g in keep_long if g is not None]
+        self.current = self.init_s
+        self._apply(self.init_s, every=True)
+
+    def steady(self, watchdog_limit_s: float) -> None:
+        self._set(max(self.train_s, 1.25 * watchdog_limit_s))
+
+    def long(self) -> None:
+        self._set(self.init_s)
+
+    def _set(self, seconds: float) -> None:
+        if abs(seconds - self.current) <= 0.1 * self.current:
+            return  # unchanged (within 10%): no call into every backend each step
+        self.current = seconds
+        self._apply(seconds)
+
+    def _apply(self, seconds: float, every: bool = False) -> None:
+        td = datetime.timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):  # torch has no public list of groups
+            if every or all(group is not g for g in self.keep_long):
+                dist.distributed_c10d._set_pg_timeout(td, group)
 
 
 class StopFlag:

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from torchmeg import guard, runtime
 from torchmeg.build import ModelStep, build_parallel_model, eval_step, forward_backward, loss_function
 from torchmeg.checkpoint import CheckpointManager, all_finite
-from torchmeg.compile import compile_loss
+from torchmeg.compile import compile_loss, compile_summary
 from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepare_stores
 from torchmeg.data.sources import cache_dir
 from torchmeg.data.tokenizer import build_tokenizer
@@ -37,7 +37,7 @@ from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.peak import peak_flops, repair_peak
 from torchmeg.profiling import StepProfiler
 from torchmeg.run_header import header_lines
-from torchmeg.runtime import StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
+from torchmeg.runtime import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
 from torchmeg.spike import SpikeGuard, batch_samples
 from torchmeg.train_state import TrainState
 from torchmeg.validate import validate
@@ -260,6 +260,7 @@ class Trainer:
                 print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes),
                       flush=True)
         stop, it = StopFlag(), iter(self.loader)
+        self.timeouts = CollectiveTimeouts(cfg, keep_long=[self.ckpt.async_group] if self.ckpt else [])
         self._window, self._skipped = [0.0, 0], 0  # (seconds, steps) since the last logged step
         profiler = StepProfiler(cfg, self.rank, self.device)
         for step in range(self.start_step + 1, cfg.training.steps + 1):
@@ -272,6 +273,7 @@ class Trainer:
                     self._log(step, loss, gn, lr, val, stepped)
                 self._check_skips(step, stepped)
                 self.state.step = step
+                self._poll_save(step)
                 preempted = stop.agreed()
                 self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
             inject_kill(step, self.rank)
@@ -285,6 +287,7 @@ class Trainer:
         return 0
 
     def _timed_step(self, step: int, it) -> tuple[float, float, float, bool]:
+        self.timeouts.steady(self.watchdog.limit_for("step"))
         self.watchdog.begin(f"step {step}")
         t0 = time.perf_counter()
         with record_function("torchmeg: data"):
@@ -303,6 +306,7 @@ class Trainer:
         v = self.cfg.validation
         if not (v.enable and (step % v.freq == 0 or step == self.cfg.training.steps)):
             return None
+        self.timeouts.long()
         self.watchdog.begin(f"evaluation after step {step}")
         val = self.evaluate()
         self.watchdog.end()
@@ -342,14 +346,29 @@ class Trainer:
                                      f"or a loss spike; last at step {step}); stopping "
                                      f"(training.max_consecutive_skips = {cap})")
 
+    def _poll_save(self, step: int) -> None:
+        """An async save is committed as soon as its background write is done, not at the next save."""
+        if self.ckpt is None or self.ckpt.pending is None:
+            return
+        if os.environ.get("TORCHMEG_TEST_KILL_AT_STEP") == str(step):
+            self.ckpt.wait_for_write()  # tests: the save in flight has finished writing when the kill comes
+        self.timeouts.long()
+        self.watchdog.begin(f"checkpoint commit after step {step}")
+        self.ckpt.poll()
+        self.watchdog.end()
+
     def _maybe_save(self, step: int, last: bool, preempted: bool) -> None:
         if self.ckpt is not None and (self.ckpt.should_save(step, last) or preempted):
+            self.timeouts.long()
             self.watchdog.begin(f"checkpoint save at step {step}")
             self.ckpt.save(step, last=last)
             self.watchdog.end()
 
     def _finish(self) -> None:
+        if self.cfg.compile.enable and self.rank == 0:
+            print(compile_summary(self.built.parts, self.cfg.model.blocks), flush=True)
         if self.ckpt is not None:
+            self.timeouts.long()
             self.watchdog.begin("final checkpoint commit")
             self.ckpt.close()
             self.watchdog.end()

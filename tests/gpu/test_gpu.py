@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, read_metrics, run_cli
+from conftest import ROOT, assert_parity, assert_tensor_close, read_metrics, run_cli
 
 CUDA = torch.cuda.is_available()
 N_GPU = torch.cuda.device_count() if CUDA else 0
@@ -90,19 +90,26 @@ def test_context_parallel_block_kernels_on_cuda(dtype, tol):
             chunk(dk, j).add_(b_.float())
             chunk(dv, j).add_(c_.float())
     for got, want in ((out, out_ref), (dq, ref[0].grad), (dk, ref[1].grad), (dv, ref[2].grad)):
-        assert (got - want.float()).abs().max().item() <= tol * max(1.0, want.float().abs().max().item())
+        assert_tensor_close(got, want.float(), tol, "CP block kernel")
 
 
 @two_gpus
 def test_async_tensor_parallel_matches_plain_tp(tmp_path):
     """Inductor's micro-pipelined TP (symmetric-memory collectives, compile on) trains as plain
-    compiled TP2 does, step by step (1e-4: the matmuls are cut into pieces)."""
+    compiled TP2 does, step by step (1e-4 relative: the matmuls are cut into pieces), and it really
+    ran: the generated code calls the fused collective matmuls (all-gather + matmul, matmul +
+    reduce-scatter), which plain compiled TP never does."""
     common = RECIPE + ["--training.steps=8", "--parallelism.tensor_parallel_degree=2", "--compile.enable=true",
                        "--metrics.log_freq=1", "--training.deterministic=true"]
     run_cli(common, tmp_path, nproc=2, name="tp", timeout=900)
-    run_cli(common + ["--parallelism.enable_async_tensor_parallel=true"], tmp_path, nproc=2, name="async", timeout=900)
-    for a, b in zip(read_metrics(tmp_path, "tp"), read_metrics(tmp_path, "async")):
-        assert abs(a["loss"] - b["loss"]) <= 1e-4 * max(1.0, abs(a["loss"])), (a, b)
+    code = {"TORCH_LOGS": "output_code"}
+    plain = run_cli(common, tmp_path, nproc=2, name="tp_code", timeout=900, env=code)
+    fused = run_cli(common + ["--parallelism.enable_async_tensor_parallel=true"], tmp_path, nproc=2, name="async",
+                    timeout=900, env=code)
+    for op in ("fused_all_gather_matmul", "fused_matmul_reduce_scatter"):
+        assert op in fused.stderr, f"async TP on, but no {op} in the generated code"
+        assert op not in plain.stderr, f"plain TP generated {op}"
+    assert_parity(read_metrics(tmp_path, "tp"), read_metrics(tmp_path, "async"), rtol=1e-4, keys=("loss",))
 
 
 def test_cuda_memory_snapshot_is_written(tmp_path):
@@ -137,8 +144,9 @@ GPU_KEYS = {"H100": "h100", "H200": "h200", "B200": "b200", "A100": "a100"}
             "--training.mixed_precision=bf16", "--activation_checkpoint.mode=selective", "--data.document_masking=false"]),
 ])
 def test_planner_step_time_against_a_real_run(name, extra, tmp_path):
-    """The planner's predicted step time (a roofline: it cannot be beaten by much) against the
-    measured median step of a real run on this GPU; the ratio is printed for the README."""
+    """The planner's predicted step time against the measured median step of a real run on this GPU,
+    within 1.5x either way (a plan off by more than that cannot size a cluster); the ratio is
+    printed for the README."""
     key = next((v for k, v in GPU_KEYS.items() if k in torch.cuda.get_device_name()), None)
     if key is None:
         pytest.skip(f"{torch.cuda.get_device_name()}: not in the planner's GPU table")
@@ -152,5 +160,4 @@ def test_planner_step_time_against_a_real_run(name, extra, tmp_path):
     measured = statistics.median(r["elapsed_ms"] for r in read_metrics(tmp_path)[10:]) / 1000
     print(f"\n{name} on {torch.cuda.get_device_name()}: predicted {predicted:.4f} s, measured {measured:.4f} s, "
           f"measured / predicted = {measured / predicted:.2f}")
-    assert measured >= 0.8 * predicted, (measured, predicted)  # nothing beats the roofline
-    assert measured <= 50 * predicted, (measured, predicted)  # and the plan is not off by orders of magnitude
+    assert predicted / 1.5 <= measured <= 1.5 * predicted, (measured, predicted)

@@ -19,7 +19,7 @@ from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
 from torchmeg.compile import compile_blocks, setup
 from torchmeg.features import device_type
-from torchmeg.float8 import apply_float8, is_float8_linear
+from torchmeg.float8 import apply_float8, is_float8_linear, resolve_emulate
 from torchmeg.models.blocks import find_blocks
 from torchmeg.parallel.context import apply_cp
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
@@ -56,6 +56,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     if cfg.float8.enable:
         converted = apply_float8(model, cfg.float8, device)
         report["float8_linears"] = sum(1 for m in model.modules() if is_float8_linear(m))
+        report["float8_emulated"] = resolve_emulate(cfg.float8.emulate, device)
         # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
         # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
         float8_tp = converted and cfg.float8.recipe == "tensorwise" and device == "cuda"
@@ -117,7 +118,9 @@ def describe_report(report: dict) -> str:
     if "cp_attention" in report:
         parts.append(f"CP {report['cp_attention']} attention modules")
     if "float8_linears" in report:
-        parts.append(f"float8 {report['float8_linears']} linears")
+        parts.append(f"float8 {report['float8_linears']} linears" + (
+            " (EMULATED: float8 math in high precision, no float8 matmul units here)"
+            if report.get("float8_emulated") else " (float8 matmuls)"))
     if "recompute_blocks" in report:
         parts.append(f"recompute {report['recompute_blocks']} blocks")
     if "compiled_blocks" in report:
