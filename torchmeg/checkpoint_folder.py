@@ -13,6 +13,8 @@ import os
 import re
 import zlib
 
+from torch.distributed.checkpoint import FileSystemReader
+
 from torchmeg.errors import ConfigError
 
 MARKER = "torchmeg.json"
@@ -88,7 +90,6 @@ def incomplete_write(tmp: str) -> str | None:
     """Why save folder `tmp` was not written in full, or None if it was: its marker-to-be and DCP's
     .metadata (written last, by the coordinator, once every rank's data is on disk) are there, and
     every file that metadata points into holds the bytes it points at."""
-    from torch.distributed.checkpoint import FileSystemReader  # (DCP's reader: only here, at a restart)
     if not os.path.isfile(os.path.join(tmp, PENDING)):
         return f"no {PENDING}"
     if not os.path.isfile(os.path.join(tmp, ".metadata")):

@@ -10,6 +10,8 @@ import os
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from torchmeg.models.blocks import blocks
@@ -74,9 +76,6 @@ def compile_summary(parts: list[nn.Module], blocks_path: str = "") -> str:
     graphs dynamo holds for the blocks' forward code (a block compile that silently did nothing --
     a wrapper never called, a frame skipped -- holds none, even where the loss compiled), and the
     counters of every graph dynamo and inductor made."""
-    # (dynamo's records, read once at the end of a run)
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch._dynamo.utils import counters
     codes = {type(b).forward.__code__ for part in parts for b in blocks(part, blocks_path)}
     block_graphs = sum(len(_debug_get_cache_entry_list(c)) for c in codes)
     graphs = counters["stats"]["unique_graphs"]
