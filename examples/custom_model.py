@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchmeg
-from torchmeg.config import Config
+from torchmeg.config.schema import Config
 
 
 class Block(nn.Module):

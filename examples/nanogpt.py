@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchmeg
-from torchmeg.config import Config
+from torchmeg.config.schema import Config
 
 
 class CausalSelfAttention(nn.Module):

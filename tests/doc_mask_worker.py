@@ -25,12 +25,12 @@ L = 64
 
 def main():
     name = sys.argv[1]
-    from torchmeg import runtime
-    from torchmeg.build import ModelStep, build_parallel_model, forward_backward
-    from torchmeg.config import load_config
+    from torchmeg.runtime import process as runtime
+    from torchmeg.train.build import ModelStep, build_parallel_model, forward_backward
+    from torchmeg.config.schema import load_config
     from torchmeg.models import build_model, materialize
     from torchmeg.parallel.context import shard_sequence
-    from torchmeg.validate import validate
+    from torchmeg.train.validate import validate
     world, par = LAYOUTS[name]
     over = [f"--parallelism.{k}={v}" for k, v in par.items()]
     cfg = load_config(None, ["--model.dim=128", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",

@@ -47,12 +47,12 @@ def check_flavor(recipe, model_name, flavor) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from torchmeg.build import build_parallel_model
-    from torchmeg.config import load_config
+    from torchmeg.train.build import build_parallel_model
+    from torchmeg.config.schema import load_config
     from torchmeg.models.init import Constant, canonical_fqn, fill_block_, param_seed
     from torchmeg.plan.dry_run import fake_world
     from torchmeg.plan.planner import recipe_world
-    from torchmeg.validate import validate
+    from torchmeg.train.validate import validate
     if recipe is None:
         cfg = load_config("recipes/debug_llama.toml", [f"--model.name={model_name}", f"--model.flavor={flavor}"])
         world = 8

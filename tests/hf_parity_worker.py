@@ -48,7 +48,7 @@ def _loss(model, tokens):
 
 
 def _train(model, dp: int, dp_rank: int, group=None):
-    from torchmeg.optim import grad_norm
+    from torchmeg.train.optim import grad_norm
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -71,7 +71,7 @@ def main():
     a = ap.parse_args()
     import transformers
 
-    from torchmeg.config import Config
+    from torchmeg.config.schema import Config
     from torchmeg.models import materialize
     from torchmeg.models.hf_causal import HFCausalLM, args_from_config
     from torchmeg.parallel import ParallelDims

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchmeg.config import Config
+from torchmeg.config.schema import Config
 from torchmeg.models import build_model, init_weights, materialize
 from torchmeg.parallel import ParallelDims
 from torchmeg.parallel.parallelize import parallelize

@@ -21,15 +21,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "torchmeg")
 MAX_LINES = 400
 
-# The layers, bottom up. A module may import modules of its own layer or below (cycles aside).
-ALLOWED = {
-    "torchmeg.errors": set(),                      # imports nothing from torchmeg
-    "torchmeg.layout": set(),                      # a plain record
-    "torchmeg.config": {"torchmeg.errors"},        # schema + recipe-only checks
+# The packages, bottom up: each may import itself and those listed (docs/architecture.md draws it).
+PACKAGE_DEPS = {
+    "config": set(),                               # the recipe, its checks, the Layout record, errors
+    "kernels": set(),                              # fused ops: plain tensors in, tensors out
+    "models": {"config"},                          # plain single-device PyTorch
+    "data": {"config", "kernels"},                 # (labels the loss skips: kernels.fused_ce.IGNORE)
+    "runtime": {"config"},                         # process group, timeouts, watchdog, exit policy
+    "parallel": {"config", "models", "kernels"},   # parallelize() and the compiler-side transforms
+    "checkpoint": {"config", "models", "runtime"},
+    "observe": {"config", "models", "kernels", "parallel", "runtime"},
+    "train": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe"},
+    "inference": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
+    "plan": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
 }
-MODEL_OK = ("torchmeg.models", "torchmeg.config", "torchmeg.errors")
-ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args", "torchmeg.validate", "torchmeg.build",
-                  "torchmeg.trainer", "torchmeg.train", "torchmeg.plan", "torchmeg.checkpoint")
+# Within config: errors and the Layout record import nothing of torchmeg; the schema only errors.
+ALLOWED = {
+    "torchmeg.config.errors": {"torchmeg.config"},
+    "torchmeg.config.layout": {"torchmeg.config"},
+    "torchmeg.config.schema": {"torchmeg.config", "torchmeg.config.errors"},
+}
+# The top of the package: its __init__ and the thin `python -m torchmeg.X` entry modules.
+ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch"}
+ENTRY_MAX_LINES = 12
+ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args")
 
 
 def _modules() -> dict[str, str]:
@@ -165,8 +180,8 @@ def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_the_code():
     """Guards the checks below against reading nothing: known edges, function-level ones included."""
     g = _graph()
-    assert "torchmeg.validate" in g["torchmeg.train"]
-    assert "torchmeg.models.spec" in g["torchmeg.validate"]
+    assert "torchmeg.train.validate" in g["torchmeg.train.cli"]
+    assert "torchmeg.models.spec" in g["torchmeg.train.validate"]
     assert "torchmeg.models" in g["torchmeg.models.llama"]  # parent package
     assert any(i.function_level for imps in IMPORTS.values() for i in imps)  # the facades' lazy names
     assert len(MODULES) > 50
@@ -180,9 +195,9 @@ def test_no_import_cycles():
 def test_a_cycle_is_detected():
     """The detector itself, on the real modules with one cycle added."""
     fake = {m: set() for m in MODULES}
-    fake["torchmeg.errors"] = {"torchmeg.config"}
-    fake["torchmeg.config"] = {"torchmeg.errors"}
-    assert ["torchmeg.config", "torchmeg.errors"] in _cycles(fake)
+    fake["torchmeg.config.errors"] = {"torchmeg.config"}
+    fake["torchmeg.config"] = {"torchmeg.config.errors"}
+    assert ["torchmeg.config", "torchmeg.config.errors"] in _cycles(fake)
 
 
 def _offenders(pred) -> list[str]:
@@ -193,11 +208,40 @@ def test_layers_point_down():
     bad = []
     for mod, allowed in ALLOWED.items():
         bad += _offenders(lambda i, m=mod, a=allowed: i.src == m and i.target not in a)
-    # Models are plain PyTorch: nothing of the parallel code, the trainer, the planner.
-    bad += _offenders(lambda i: i.src.startswith("torchmeg.models") and not i.target.startswith(MODEL_OK))
     # The parallel code gets what it needs about a model as data; it never reads the registry.
     bad += _offenders(lambda i: i.src.startswith("torchmeg.parallel") and i.target.startswith(ABOVE_PARALLEL))
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
+
+
+def _package(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 and f"torchmeg.{parts[1]}" in PACKAGES else None
+
+
+def test_packages_import_only_the_packages_below():
+    """Package-level rules: the graph of packages has no cycle (each imports only those listed
+    below it in PACKAGE_DEPS), and every package of torchmeg is in the table."""
+    assert {m.split(".")[1] for m in PACKAGES if m != "torchmeg"} == set(PACKAGE_DEPS)
+    bad = []
+    for imps in IMPORTS.values():
+        for i in imps:
+            src, dst = _package(i.src), _package(i.target)
+            if src and dst and src != dst and dst not in PACKAGE_DEPS[src]:
+                bad.append(f"{i.src}:{i.line} ({src}) imports {i.target} ({dst})")
+            if src and dst is None and i.target != "torchmeg" and i.target not in ENTRY_MODULES:
+                bad.append(f"{i.src}:{i.line} imports {i.target}, outside every package")
+            if src and i.target in ENTRY_MODULES - {"torchmeg"}:
+                bad.append(f"{i.src}:{i.line} imports the entry module {i.target}")
+    assert not bad, "imports against the package rules:\n" + "\n".join(bad)
+    order = list(PACKAGE_DEPS)
+    assert all(order.index(d) < order.index(p) for p, deps in PACKAGE_DEPS.items() for d in deps)
+
+
+def test_the_top_holds_only_entry_modules_and_packages():
+    top = {m for m in MODULES if m.count(".") == 1 and m not in PACKAGES}
+    assert top == ENTRY_MODULES - {"torchmeg"}, top
+    for m in top:
+        assert len(_SOURCES[m]) <= ENTRY_MAX_LINES, f"{MODULES[m]}: an entry module only delegates"
 
 
 def test_models_import_nothing_distributed():
@@ -253,10 +297,10 @@ def test_modules_stay_readable():
 
 
 @pytest.mark.parametrize("pattern, allowed", [
-    (r"ParallelDims\.from_config\(", {"torchmeg/validate.py"}),  # the layout is derived once
+    (r"ParallelDims\.from_config\(", {"torchmeg/train/validate.py"}),  # the layout is derived once
     (r"Trainer\.__new__", set()),                                # no forged trainers
-    (r"global_batch_size\s*//", {"torchmeg/validate.py"}),       # the accumulation formula
-    (r"\.uses_loss_parallel\(", {"torchmeg/validate.py", "torchmeg/parallel/parallelize.py"}),
+    (r"global_batch_size\s*//", {"torchmeg/train/validate.py"}),       # the accumulation formula
+    (r"\.uses_loss_parallel\(", {"torchmeg/train/validate.py", "torchmeg/parallel/parallelize.py"}),
 ])
 def test_derived_in_one_place(pattern, allowed):
     found = {os.path.relpath(MODULES[m], ROOT) for m, lines in _SOURCES.items()

@@ -30,7 +30,7 @@ def _hf_llama():
 
 
 def _torchmeg_llama():
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     from torchmeg.models import build_model
     return build_model(load_config(None, ["--model.n_layers=3"]), 257, "meta")
 
@@ -53,9 +53,9 @@ def test_blocks_can_be_named_and_bad_names_are_refused():
 
 
 def test_no_blocks_with_compile_or_recompute_is_one_clear_error():
-    from torchmeg.compile import compile_blocks
-    from torchmeg.config import load_config
-    from torchmeg.recompute import apply_recompute
+    from torchmeg.parallel.compile import compile_blocks
+    from torchmeg.config.schema import load_config
+    from torchmeg.parallel.recompute import apply_recompute
     flat = nn.Module()  # nothing repeated
     flat.up, flat.down = nn.Linear(8, 32), nn.Linear(32, 8)
     assert find_blocks(flat) == ("", None)

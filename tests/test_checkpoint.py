@@ -190,7 +190,7 @@ def test_unwritable_checkpoint_folder_fails_first(tmp_path):
 
 
 def _tiny_llama(**over):
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     from torchmeg.models import build_model, init_weights
     args = [a for a in TINY if a.startswith("--model.")] + [f"--model.{k}={v}" for k, v in over.items()]
     cfg = load_config(None, args)
@@ -202,7 +202,7 @@ def _tiny_llama(**over):
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_export_and_import_logits(tmp_path, tied):
     from transformers import LlamaForCausalLM
-    from torchmeg.hf import load_hf, save_hf
+    from torchmeg.checkpoint.hf import load_hf, save_hf
     m = _tiny_llama(tie_embeddings=tied).eval()
     save_hf(m.state_dict(), m.args, str(tmp_path / "hf"))
     hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
@@ -263,11 +263,11 @@ def test_last_save_model_only_in_bf16(tmp_path):
 
 OMP_TEAMS = r"""
 import os, sys, torch, torch.distributed as dist
-from torchmeg import runtime
-from torchmeg.checkpoint import CheckpointManager
-from torchmeg.config import load_config
-from torchmeg.spike import SpikeGuard
-from torchmeg.train_state import TrainState
+from torchmeg.runtime import process as runtime
+from torchmeg.checkpoint.manager import CheckpointManager
+from torchmeg.config.schema import load_config
+from torchmeg.train.spike import SpikeGuard
+from torchmeg.train.state import TrainState
 
 torch.set_num_threads(2)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])

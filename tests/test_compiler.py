@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import FP32_PARITY, reference_run, assert_parity as compare, assert_tensor_close, TINY, read_metrics, run_cli
-from torchmeg.config import load_config
+from torchmeg.config.schema import load_config
 from torchmeg.models import build_model, init_weights
-from torchmeg.recompute import apply_recompute
+from torchmeg.parallel.recompute import apply_recompute
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=10", "--training.deterministic=true", "--training.global_batch_size=4"]
@@ -62,7 +62,7 @@ def _grads(mode, option="op"):
 
 
 def assert_compiled(stdout: str) -> None:
-    """The run's own account of what the compiler did (torchmeg.compile.compile_summary): dynamo holds
+    """The run's own account of what the compiler did (torchmeg.parallel.compile.compile_summary): dynamo holds
     graphs for the blocks' forward code, and inductor made forward and backward graphs. A compile
     that silently did nothing passes a loss comparison (eager = eager); it reads 0 here."""
     m = re.search(r"\[compile\] blocks' forward: (\d+) graphs; dynamo graphs (\d+), inductor graphs (\d+)", stdout)

@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
-from torchmeg.train import main
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
+from torchmeg.train.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import FP32_PARITY, ROOT, reference_run, TINY, assert_parity, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
 from torchmeg.parallel.context import positions, shard_sequence
 
 P = "--parallelism."

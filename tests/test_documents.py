@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from conftest import FP32_PARITY, ROOT, TINY, _launch_ranks, assert_parity, read_metrics, run_cli
-from torchmeg.config import load_config
+from torchmeg.config.schema import load_config
 from torchmeg.data.dataset import IGNORE, PackedWindows, Shuffled, TokenDataset
 from torchmeg.data.shuffle import Permutation
 from torchmeg.data.store import open_store
-from torchmeg.errors import ConfigError
-from torchmeg.validate import validate
+from torchmeg.config.errors import ConfigError
+from torchmeg.train.validate import validate
 
 
 def _mcore():

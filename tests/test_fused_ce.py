@@ -1,4 +1,4 @@
-"""The LM head fused with the loss (training.fused_linear_cross_entropy, torchmeg.fused_ce): equal to
+"""The LM head fused with the loss (training.fused_linear_cross_entropy, torchmeg.kernels.fused_ce): equal to
 torch's head + F.cross_entropy in values and gradients (torch path and Triton kernel), no logits of
 the whole batch, and the trainer in every layout it meets (TP vocab slices with and without SP,
 FSDP, PP's last stage, CP, masked end-of-document targets) equal to the unfused single process."""
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, TINY, assert_close, assert_parity, read_metrics, run_cli
-from torchmeg.config import load_config
-from torchmeg.errors import ConfigError
-from torchmeg.fused_ce import IGNORE, linear_cross_entropy
+from torchmeg.config.schema import load_config
+from torchmeg.config.errors import ConfigError
+from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
 from torchmeg.models.args import check_model_args, model_args
 from torchmeg.models.spec import get_spec
 
@@ -154,7 +154,7 @@ def test_triton_kernel_equals_torch_under_the_interpreter():
     pytest.importorskip("triton")  # a dependency on Linux x86-64 (pyproject); absent elsewhere
     script = textwrap.dedent("""
         import json, torch, torch.nn.functional as F
-        from torchmeg.fused_ce import IGNORE, _ce_rows_torch, _ce_rows_triton, linear_cross_entropy
+        from torchmeg.kernels.fused_ce import IGNORE, _ce_rows_torch, _ce_rows_triton, linear_cross_entropy
         g = torch.Generator().manual_seed(0)
         logits = torch.randn(13, 2500, generator=g) * 4
         labels = torch.randint(0, 2500, (13,), generator=g)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from conftest import FP32_PARITY, ROOT, TINY, _launch_ranks, assert_close, assert_tensor_close, read_metrics, rel_diff, run_cli
-from torchmeg.config import load_config
-from torchmeg.generation import Sampling, decode_one, generate, sample
+from torchmeg.config.schema import load_config
+from torchmeg.inference.engine import Sampling, decode_one, generate, sample
 from torchmeg.models import build_model, materialize
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Parser:\n    def __init__(self, text"]
@@ -87,7 +87,7 @@ def test_compiled_decode_compiles_once():
     """The decode step over a static cache compiles one graph and reuses it for every token of
     two generations; its tokens equal the eager ones."""
     from torch._dynamo.utils import counters
-    from torchmeg.compile import setup
+    from torchmeg.parallel.compile import setup
     setup()
     torch._dynamo.reset()
     counters.clear()
@@ -184,7 +184,7 @@ def test_fsdp2_checkpoint_generates_what_one_process_saves(tmp_path):
     process (plain tensors): generation from each gives the same tokens."""
     import torch.distributed.checkpoint as dcp
 
-    from torchmeg.checkpoint import MARKER, ModelState
+    from torchmeg.checkpoint.manager import MARKER, ModelState
     args = TINY + ["--training.steps=8", "--checkpoint.enable=true", "--checkpoint.interval=8",
                    "--training.local_batch_size=2", "--parallelism.data_parallel_shard_degree=2"]
     run_cli(args, tmp_path, nproc=2, name="fsdp")
@@ -256,7 +256,7 @@ def test_generate_refuses_bad_input_in_one_line(extra, needle, tmp_path):
 def test_generate_refuses_another_tokenizer(debug_run, tmp_path):
     from torchmeg.data.tokenizer import train_bpe
     tok = tmp_path / "bpe.json"
-    train_bpe([open(os.path.join(ROOT, "torchmeg", "config.py")).read()], 300, str(tok))
+    train_bpe([open(os.path.join(ROOT, "torchmeg", "config", "schema.py")).read()], 300, str(tok))
     p, _ = _generate(["--config", "recipes/debug_llama.toml", f"--job.dump_folder={debug_run}", "--job.name=debug",
                       f"--data.tokenizer={tok}", "--prompt", "abc"], check=False)
     assert p.returncode == 2, p.stderr[-2000:]

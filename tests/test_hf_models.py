@@ -63,7 +63,7 @@ def test_hf_tp2_x_fsdp2_matches_one_process():
 
 def _batch(cfg_args, split, indices):
     """Samples `indices` of the recipe's train/val split, as torchmeg's loader reads them."""
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     from torchmeg.data import build_dataset, build_tokenizer, open_stores
     cfg = load_config(cfg_args[1], cfg_args[2:])
     ds = build_dataset(cfg, open_stores(cfg, build_tokenizer(cfg.data.tokenizer)), split)
@@ -110,7 +110,7 @@ def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
     # torchmeg's own checkpoint of the trained model: same logits as the transformers reload.
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     from torchmeg.models import build_model
     tcfg = load_config(args[1], args[2:])
     from torchmeg.data import build_tokenizer
@@ -124,8 +124,8 @@ def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
 
 
 def test_hf_errors_are_one_line(tmp_path):
-    from torchmeg.config import ConfigError, load_config
-    from torchmeg.validate import validate
+    from torchmeg.config.schema import ConfigError, load_config
+    from torchmeg.train.validate import validate
     base = ["--training.steps=1"]
     p = run_cli(["--config", "recipes/hf_llama_debug.toml", "--model.hf_config=nope/config.json"] + base, tmp_path,
                 check=False)

@@ -4,7 +4,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from torchmeg.config import load_config
+from torchmeg.config.schema import load_config
 from torchmeg.models import build_model, count_params, flops_per_token, init_weights
 
 

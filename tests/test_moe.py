@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import FP32_PARITY, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
 
 P = "--parallelism."

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from torchmeg.config import load_config
-from torchmeg.optim import build_optimizer, clip_grads, grad_norm, lr_factor
+from torchmeg.config.schema import load_config
+from torchmeg.train.optim import build_optimizer, clip_grads, grad_norm, lr_factor
 
 
 def _cfg(**kw):

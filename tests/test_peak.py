@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from torchmeg import peak
+from torchmeg.observe import peak
 
 
 def _hogs(n: int) -> list[subprocess.Popen]:

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from conftest import reference_run, assert_parity as compare, ROOT, TINY, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
 
 P = "--parallelism."
 # 4 layers so that every schedule (2 stages per rank at pp 2 for the looped / V ones) gets a layer.

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import ROOT, _launch_ranks
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
 
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
 # (One process was checked too, and agrees exactly; left out of the suite for time: the FSDP 2 case

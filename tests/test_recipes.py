@@ -7,8 +7,8 @@ import os
 import pytest
 
 from conftest import ROOT
-from torchmeg.config import load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import load_config
+from torchmeg.train.validate import validate
 
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml"))))

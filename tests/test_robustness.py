@@ -10,8 +10,8 @@ import time
 import pytest
 
 from conftest import ROOT, TINY, _free_port, read_metrics, run_cli
-from torchmeg.config import ConfigError, load_config
-from torchmeg.validate import validate
+from torchmeg.config.schema import ConfigError, load_config
+from torchmeg.train.validate import validate
 
 P = "--parallelism."
 
@@ -155,8 +155,8 @@ def test_collective_timeouts_follow_the_phase_and_stay_above_the_watchdog():
     evaluation and checkpoint I/O. Read back from each gloo backend's options."""
     script = textwrap.dedent("""
         import datetime, json, os, torch, torch.distributed as dist
-        from torchmeg.config import load_config
-        from torchmeg.runtime import CollectiveTimeouts, init_distributed
+        from torchmeg.config.schema import load_config
+        from torchmeg.runtime.process import CollectiveTimeouts, init_distributed
         cfg = load_config(None, ["--comm.init_timeout_seconds=900", "--comm.train_timeout_seconds=200"])
         init_distributed(torch.device("cpu"), cfg.comm.init_timeout_seconds)
         mesh_group, ckpt_group = dist.new_group([0]), dist.new_group([0])

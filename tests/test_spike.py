@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import TINY, read_metrics, run_cli
-from torchmeg.spike import MIN_HISTORY, SpikeGuard, batch_samples
+from torchmeg.train.spike import MIN_HISTORY, SpikeGuard, batch_samples
 
 SPIKE = {"TORCHMEG_TEST_SPIKE_AT_STEP": "15"}  # step 15's loss (and gradients) x 50
 ARGS = TINY + ["--training.steps=18", "--training.deterministic=true", "--validation.enable=false",

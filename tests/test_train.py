@@ -97,7 +97,7 @@ def faults():  # minor page faults over 10 rounds of a step's large activations 
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 
 before = faults()  # glibc's defaults: torch is not imported yet, nothing has moved its thresholds
-from torchmeg.runtime import keep_freed_memory
+from torchmeg.runtime.process import keep_freed_memory
 print(before, keep_freed_memory(), faults())
 """
 

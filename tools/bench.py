@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
     import torch
-    from torchmeg.metrics import peak_memory_gib
-    from torchmeg.train import parse_args
-    from torchmeg.trainer import Trainer
-    from torchmeg.validate import validate
+    from torchmeg.observe.metrics import peak_memory_gib
+    from torchmeg.train.cli import parse_args
+    from torchmeg.train.trainer import Trainer
+    from torchmeg.train.validate import validate
     cfg = parse_args(["--config", config, *overrides, f"--job.dump_folder={dump}", "--metrics.jsonl=false",
                       "--metrics.enable_tensorboard=false", "--validation.enable=false",
                       "--training.steps=1000000"])

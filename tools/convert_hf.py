@@ -29,10 +29,10 @@ def main(argv=None) -> int:
 
     import torch
     import torch.distributed.checkpoint as dcp
-    from torchmeg.checkpoint import MARKER, resolve_folder, step_dir
-    from torchmeg.config import load_config
+    from torchmeg.checkpoint.manager import MARKER, resolve_folder, step_dir
+    from torchmeg.config.schema import load_config
     from torchmeg.data.tokenizer import build_tokenizer
-    from torchmeg.hf import load_hf, save_hf
+    from torchmeg.checkpoint.hf import load_hf, save_hf
     from torchmeg.models import build_model
 
     cfg = load_config(a.config, overrides)

@@ -6,7 +6,7 @@ numbers are torch's MemTracker over what the ops would allocate.
     python tools/fused_ce_memory.py --tokens 8192 --dtype fp32
 
 The path measured is the one the trainer runs: unfused, logits = h @ W^T then F.cross_entropy on
-their fp32 copy (torchmeg.build.cross_entropy); fused, torchmeg.fused_ce.linear_cross_entropy.
+their fp32 copy (torchmeg.train.build.cross_entropy); fused, torchmeg.kernels.fused_ce.linear_cross_entropy.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchmeg.build import cross_entropy  # noqa: E402  (the repository root, put on the path above)
-from torchmeg.fused_ce import linear_cross_entropy  # noqa: E402
+from torchmeg.train.build import cross_entropy  # noqa: E402  (the repository root, put on the path above)
+from torchmeg.kernels.fused_ce import linear_cross_entropy  # noqa: E402
 from torchmeg.plan.dry_run import current_bytes, peak_bytes, step_memory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

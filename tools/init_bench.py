@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from torchmeg.config import Config
+    from torchmeg.config.schema import Config
     from torchmeg.models import build_model, canonical_fqn, get_spec, materialize, param_seed
     from torchmeg.models.init import fill_block_
     from torchmeg.parallel import ParallelDims

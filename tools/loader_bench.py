@@ -26,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="0,2", help="comma list of data.num_workers")
     ap.add_argument("--consume", type=float, default=0.0, help="tokens/s a rank trains at")
     a, rest = ap.parse_known_args(argv)
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     from torchmeg.data.loader import build_dataset, build_loader, open_stores
     from torchmeg.data.tokenizer import build_tokenizer
     cfg = load_config(a.config, rest)

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join("outputs", "plans"))
     a = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
-    from torchmeg.config import load_config
+    from torchmeg.config.schema import load_config
     os.makedirs(a.out, exist_ok=True)
 
     def one(path):

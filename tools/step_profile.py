@@ -134,10 +134,10 @@ def analyse(path: str) -> dict:
 
 def cached_peak(threads: int) -> float | None:
     """The fp32 CPU matmul peak the trainer measured and cached for this many threads per process
-    (torchmeg.peak; under torchrun each rank runs with its share of the cores), if there is one."""
+    (torchmeg.observe.peak; under torchrun each rank runs with its share of the cores), if there is one."""
     import torch
 
-    from torchmeg import peak
+    from torchmeg.observe import peak
     from torchmeg.data.sources import cache_dir
 
     torch.set_num_threads(threads)

@@ -32,13 +32,13 @@ def __getattr__(name):
         from torchmeg.parallel.dims import ParallelDims
         return ParallelDims
     if name in ("load_config", "Config", "ConfigError"):
-        from torchmeg import config
+        from torchmeg.config import schema as config
         return getattr(config, name)
     if name == "validate":
-        from torchmeg.validate import validate
+        from torchmeg.train.validate import validate
         return validate
     if name == "Layout":
-        from torchmeg.layout import Layout
+        from torchmeg.config.layout import Layout
         return Layout
     if name in ("build_model", "register", "ModelSpec", "init_weights"):
         from torchmeg import models

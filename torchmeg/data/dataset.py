@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from torchmeg.data.shuffle import Permutation, epoch_key
+from torchmeg.kernels.fused_ce import IGNORE  # the label the loss skips (F.cross_entropy's ignore_index)
 
-IGNORE = -100  # a label the loss skips (F.cross_entropy's ignore_index)
 
 
 class PackedWindows:

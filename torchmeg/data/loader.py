@@ -9,7 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmeg.data.dataset import StepSampler, TokenDataset
 from torchmeg.data.sources import BUILTIN, dataset_list, resolve, stdlib_prefix
 from torchmeg.data.store import exists, open_store
-from torchmeg.errors import ConfigError, StoreError
+from torchmeg.config.errors import ConfigError, StoreError
 
 # torchdata's loader logs a harmless deprecation notice (set_vital) that would bury the log.
 warnings.filterwarnings("ignore", message=".*set_vital.*")

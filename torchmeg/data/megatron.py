@@ -24,8 +24,8 @@ from array import array
 
 import numpy as np
 
-from torchmeg.data.writer import AtomicStoreWriter
-from torchmeg.errors import StoreError
+from torchmeg.data.writer import AtomicStoreWriter, read_index_header
+from torchmeg.config.errors import StoreError
 
 MAGIC = b"MMIDIDX\x00\x00"
 _HEAD = struct.Struct("<9sQBQQ")
@@ -56,14 +56,8 @@ class MegatronStore:
     def __init__(self, prefix: str):
         self.prefix = prefix
         idx, bin_ = prefix + ".idx", prefix + ".bin"
-        for f in (idx, bin_):
-            if not os.path.isfile(f):
-                raise StoreError(f"{f}: missing (a store is PREFIX.bin + PREFIX.idx)")
+        magic, version, code, S, D = read_index_header(prefix, _HEAD, "Megatron index")
         size = os.path.getsize(idx)
-        if size < _HEAD.size:
-            raise StoreError(f"{idx}: {size} bytes, shorter than the {_HEAD.size}-byte Megatron index header (truncated?)")
-        with open(idx, "rb") as fh:
-            magic, version, code, S, D = _HEAD.unpack(fh.read(_HEAD.size))
         if magic != MAGIC:
             raise StoreError(f"{idx}: not a Megatron index (bad magic {magic!r})")
         if version != 1:

@@ -9,7 +9,7 @@ import numpy as np
 
 from torchmeg.data import store as store_mod
 from torchmeg.data.tokenizer import build_tokenizer
-from torchmeg.errors import ConfigError, StoreError
+from torchmeg.config.errors import ConfigError, StoreError
 
 BUILTIN = ("python_stdlib",)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}

@@ -19,8 +19,8 @@ import numpy as np
 
 from torchmeg.data.megatron import MAGIC as MEGATRON_MAGIC
 from torchmeg.data.megatron import MegatronStore, MegatronWriter, is_megatron
-from torchmeg.data.writer import AtomicStoreWriter
-from torchmeg.errors import StoreError
+from torchmeg.data.writer import AtomicStoreWriter, read_index_header
+from torchmeg.config.errors import StoreError
 
 MAGIC = b"TMIDX1\0\0"
 _DTYPES = {1: np.uint16, 2: np.uint32}
@@ -100,14 +100,9 @@ class Store:
     def __init__(self, prefix: str):
         self.prefix = prefix
         idx, bin_ = prefix + ".idx", prefix + ".bin"
-        for f in (idx, bin_):
-            if not os.path.isfile(f):
-                raise StoreError(f"{f}: missing (a store is PREFIX.bin + PREFIX.idx from tools/preprocess_data.py)")
+        magic, code, n_docs, self.vocab_size = read_index_header(prefix, _HEADER, "index",
+                                                                 " from tools/preprocess_data.py")
         idx_size = os.path.getsize(idx)
-        if idx_size < _HEADER.size:
-            raise StoreError(f"{idx}: {idx_size} bytes, shorter than the {_HEADER.size}-byte header (truncated?)")
-        with open(idx, "rb") as fh:
-            magic, code, n_docs, self.vocab_size = _HEADER.unpack(fh.read(_HEADER.size))
         if magic != MAGIC:
             raise StoreError(f"{idx}: not a store index (magic {magic!r} is neither Megatron's {MEGATRON_MAGIC!r} "
                              f"nor torchmeg's {MAGIC!r})")

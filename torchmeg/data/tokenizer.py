@@ -8,7 +8,7 @@ import os
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 
 
 class ByteTokenizer:

@@ -8,6 +8,8 @@ import os
 
 import numpy as np
 
+from torchmeg.config.errors import StoreError
+
 
 class AtomicStoreWriter:
     def __init__(self, prefix: str, vocab_size: int, dtype):
@@ -47,3 +49,17 @@ class AtomicStoreWriter:
     def __exit__(self, exc_type, *_):
         if exc_type is not None:
             self.abort()
+
+
+def read_index_header(prefix: str, header, what: str, hint: str = "") -> tuple:
+    """A store PREFIX.bin + PREFIX.idx: both files present and the index's fixed-size header read
+    (`header`, a struct.Struct) -> its fields; StoreError naming the file otherwise."""
+    idx, bin_ = prefix + ".idx", prefix + ".bin"
+    for f in (idx, bin_):
+        if not os.path.isfile(f):
+            raise StoreError(f"{f}: missing (a store is PREFIX.bin + PREFIX.idx{hint})")
+    size = os.path.getsize(idx)
+    if size < header.size:
+        raise StoreError(f"{idx}: {size} bytes, shorter than the {header.size}-byte {what} header (truncated?)")
+    with open(idx, "rb") as fh:
+        return header.unpack(fh.read(header.size))

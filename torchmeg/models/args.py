@@ -7,8 +7,8 @@ import difflib
 import torch
 from torch import nn
 
-from torchmeg.config import coerce
-from torchmeg.errors import ConfigError
+from torchmeg.config.schema import coerce
+from torchmeg.config.errors import ConfigError
 from torchmeg.models.spec import ModelSpec, get_spec, pad_vocab
 
 

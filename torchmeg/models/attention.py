@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
+
+
+def repeat_kv(x_BKLD: torch.Tensor, rep: int) -> torch.Tensor:
+    """GQA: each of K kv heads serves `rep` consecutive query heads -> [B, K * rep, L, D]. Where the
+    kernel takes GQA itself (SDPA's enable_gqa) it is not needed; CP repeats after its exchange."""
+    return x_BKLD if rep == 1 else x_BKLD.repeat_interleave(rep, dim=1)
 
 
 def check_document_masking(cfg, own_attention: bool) -> None:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from torchmeg.config import coerce
-from torchmeg.errors import ConfigError
+from torchmeg.config.schema import coerce
+from torchmeg.config.errors import ConfigError
 from torchmeg.models.blocks import find_blocks
 
 

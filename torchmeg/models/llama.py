@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmeg.models.attention import DocumentBatch, document_attention, document_positions
+from torchmeg.models.attention import DocumentBatch, document_attention, document_positions, repeat_kv
 from torchmeg.models.init import Constant, Normal
 
 
@@ -95,9 +95,7 @@ def causal_attention(q_BHLD, k_BKLD, v_BKLD, documents=None):
     if documents is not None:
         return document_attention(q_BHLD, k_BKLD, v_BKLD, documents)
     rep = q_BHLD.shape[1] // k_BKLD.shape[1]
-    if rep > 1:  # GQA: each kv head serves `rep` query heads
-        k_BKLD, v_BKLD = k_BKLD.repeat_interleave(rep, dim=1), v_BKLD.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q_BHLD, k_BKLD, v_BKLD, is_causal=True)
+    return F.scaled_dot_product_attention(q_BHLD, repeat_kv(k_BKLD, rep), repeat_kv(v_BKLD, rep), is_causal=True)
 
 
 class Attention(nn.Module):
@@ -166,7 +164,7 @@ class Llama(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Set by the trainer for training.fused_linear_cross_entropy: the forward ends at the final
-        # norm and the loss applies `output` itself (torchmeg.fused_ce), chunk by chunk.
+        # norm and the loss applies `output` itself (torchmeg.kernels.fused_ce), chunk by chunk.
         self.head_in_loss = False
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)

@@ -12,7 +12,7 @@ from typing import Callable
 
 from torch import nn
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 from torchmeg.models import gpt2, hf_causal, llama, moe
 
 

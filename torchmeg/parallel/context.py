@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed._functional_collectives import (all_gather_tensor, all_gather_tensor_autograd,
                                                        all_to_all_single_autograd, reduce_scatter_tensor)
 
-from torchmeg.errors import ConfigError
-from torchmeg.models.attention import document_attention, document_positions
+from torchmeg.config.errors import ConfigError
+from torchmeg.models.attention import document_attention, document_positions, repeat_kv
 
 MODES = ("allgather", "ring", "alltoall")
 
@@ -57,6 +57,20 @@ def shard_sequence(t: torch.Tensor, rank: int, cp: int, dim: int = 1) -> torch.T
 
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
+
+
+def sequence_order(cp: int) -> list[int]:
+    """Chunks listed as the ranks hold them (rank 0's pair, rank 1's, ...) -> the indices that put
+    them in sequence order."""
+    held = [j for r in range(cp) for j in chunk_ids(r, cp)]
+    return sorted(range(2 * cp), key=lambda i: held[i])
+
+
+def _in_sequence_order(y, cp: int):
+    """[cp (source rank), B, K, L/cp, D], each rank's chunk pair -> [B, K, L, D] in sequence order."""
+    _, B, K, Ll, D = y.shape
+    chunks = y.reshape(cp, B, K, 2, Ll // 2, D).permute(1, 2, 0, 3, 4, 5).reshape(B, K, 2 * cp, Ll // 2, D)
+    return chunks[:, :, sequence_order(cp)].reshape(B, K, cp * Ll, D)
 
 
 # ---- one (query chunk, key chunk) pair on this device ------------------------------------------
@@ -109,12 +123,8 @@ def _merge(o, lse, o_new, lse_new):
     return (o * (lse - m).exp().unsqueeze(-1) + o_new.float() * (lse_new - m).exp().unsqueeze(-1)), m
 
 
-def _repeat_kv(x, rep: int):
-    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
-
-
 def _fold_kv(dx, rep: int):
-    """Gradient of _repeat_kv: sum the query heads that shared a kv head."""
+    """Gradient of repeat_kv: sum the query heads that shared a kv head."""
     if rep == 1:
         return dx
     B, H, L, D = dx.shape
@@ -168,7 +178,7 @@ class _BlockAttention(torch.autograd.Function):
         aux = {}
 
         def visit(src, kv_src):
-            ks, vs = _repeat_kv(kv_src[0], rep), _repeat_kv(kv_src[1], rep)
+            ks, vs = repeat_kv(kv_src[0], rep), repeat_kv(kv_src[1], rep)
             for a, qi in enumerate(mine):
                 for b, kj in enumerate(chunk_ids(src, cp)):
                     if kj > qi:
@@ -214,7 +224,7 @@ class _BlockAttention(torch.autograd.Function):
         dq = torch.zeros_like(q, dtype=torch.float32)
 
         def visit(src, kv_src, dkv_src):
-            ks, vs = _repeat_kv(kv_src[0], rep), _repeat_kv(kv_src[1], rep)
+            ks, vs = repeat_kv(kv_src[0], rep), repeat_kv(kv_src[1], rep)
             dk = torch.zeros_like(ks, dtype=torch.float32)
             dv = torch.zeros_like(vs, dtype=torch.float32)
             for a, qi in enumerate(mine):
@@ -285,12 +295,8 @@ class BlockAttention:
 
 def _whole_window(x_BKLD, group, cp: int):
     """[B, K, L/cp, D] chunk pairs of every cp rank -> [B, K, L, D] in sequence order."""
-    B, K, Ll, D = x_BKLD.shape
     y = all_gather_tensor_autograd(x_BKLD.unsqueeze(0).contiguous(), 0, group)  # [cp, B, K, Ll, D]
-    chunks = y.reshape(cp, B, K, 2, Ll // 2, D).permute(1, 2, 0, 3, 4, 5).reshape(B, K, 2 * cp, Ll // 2, D)
-    held = [j for r in range(cp) for j in chunk_ids(r, cp)]
-    order = sorted(range(2 * cp), key=lambda i: held[i])
-    return chunks[:, :, order].reshape(B, K, cp * Ll, D)
+    return _in_sequence_order(y, cp)
 
 
 class UlyssesAttention:
@@ -299,11 +305,10 @@ class UlyssesAttention:
     def __init__(self, cp_mesh):
         self.group, self.rank, self.size = cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size()
         cp = self.size
-        # After the exchange the chunks arrive grouped by source rank (r, 2cp-1-r); this order
-        # puts them back in sequence order, and its inverse restores the shard layout.
-        held = [j for r in range(cp) for j in chunk_ids(r, cp)]
-        self.order = sorted(range(2 * cp), key=lambda i: held[i])
-        self.inverse = [self.order.index(i) for i in range(2 * cp)]
+        # After the exchange the chunks arrive grouped by source rank (r, 2cp-1-r): put back in
+        # sequence order (_in_sequence_order); this inverse restores the shard layout.
+        order = sequence_order(cp)
+        self.inverse = [order.index(i) for i in range(2 * cp)]
 
     def _to_heads(self, x_BHLD):
         """[B, h, L/cp, D] sequence shard -> [B, h/cp, L, D] head shard, chunks in sequence order."""
@@ -311,8 +316,7 @@ class UlyssesAttention:
         cp = self.size
         x = x_BHLD.reshape(B, cp, h // cp, Ll, D).permute(1, 0, 2, 3, 4).contiguous()  # [cp(dest), B, h/cp, Ll, D]
         y = all_to_all_single_autograd(x, None, None, self.group)  # [cp(src), B, h/cp, Ll, D]
-        chunks = y.reshape(cp, B, h // cp, 2, Ll // 2, D).permute(1, 2, 0, 3, 4, 5).reshape(B, h // cp, 2 * cp, Ll // 2, D)
-        return chunks[:, :, self.order].reshape(B, h // cp, cp * Ll, D)
+        return _in_sequence_order(y, cp)
 
     def _to_sequence(self, x_BhLD):
         B, hc, L, D = x_BhLD.shape
@@ -328,7 +332,7 @@ class UlyssesAttention:
         PairCounter.add(q, k, True)
         if documents is not None:  # the whole window, in order, per head group: as on one device
             return self._to_sequence(document_attention(q, k, v, documents))
-        o = F.scaled_dot_product_attention(q, _repeat_kv(k, rep), _repeat_kv(v, rep), is_causal=True)
+        o = F.scaled_dot_product_attention(q, repeat_kv(k, rep), repeat_kv(v, rep), is_causal=True)
         return self._to_sequence(o)
 
 

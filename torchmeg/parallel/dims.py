@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 
 NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 from torchmeg.models.moe import expert_ffn, is_grouped_experts
 
 

@@ -17,17 +17,17 @@ import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
-from torchmeg.compile import compile_blocks, setup
-from torchmeg.features import device_type
-from torchmeg.float8 import apply_float8, is_float8_linear, resolve_emulate
+from torchmeg.parallel.compile import compile_blocks, setup
+from torchmeg.config.support import device_type
+from torchmeg.parallel.float8 import apply_float8, is_float8_linear, resolve_emulate
 from torchmeg.models.blocks import find_blocks
 from torchmeg.parallel.context import apply_cp
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
 from torchmeg.parallel.dims import ParallelDims
 from torchmeg.parallel.expert import apply_ep
-from torchmeg.parallel.pipeline import SPLIT_BACKWARD
+from torchmeg.parallel.pipeline import splits_backward
 from torchmeg.parallel.tensor import apply_tp, unmatched_patterns
-from torchmeg.recompute import apply_recompute
+from torchmeg.parallel.recompute import apply_recompute
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None, blocks: str | None = None,
@@ -89,7 +89,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:
         setup(cfg.compile.cache_dir)
-        if dims.pp > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD:
+        if splits_backward(cfg, dims):
             # The split-backward schedules run the input-gradient pass with retain_graph=True (the
             # weight-gradient pass comes later), which AOTAutograd's donated buffers refuse
             # ("compiled with non-empty donated buffers", torch 2.13): compile without them.
@@ -100,7 +100,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     # precision recipe (bf16 compute, fp32 master weights and reductions) holds in every layout.
     if dims.fsdp > 1 or (cfg.training.mixed_precision == "bf16" and dims.dp_replicate == 1):
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        report["fsdp_units"] = apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, _reshard_after_forward(cfg, dims),
+        report["fsdp_units"] = apply_fsdp(model, dp_mesh, cfg.training.mixed_precision, reshard_after_forward(cfg, dims),
                                           expert_mesh, path)
     elif dims.dp_replicate > 1:
         report["fsdp_units"] = apply_ddp(model, mesh["dp_replicate", "dp_shard_cp"], cfg.training.mixed_precision, path)
@@ -130,16 +130,13 @@ def describe_report(report: dict) -> str:
     return "; ".join(parts)
 
 
-def _reshard_after_forward(cfg, dims: ParallelDims) -> bool:
+def reshard_after_forward(cfg, dims: ParallelDims) -> bool:
     """fsdp_reshard_after_forward, except under the split-backward pipeline schedules: their
     weight-gradient pass (W) runs after FSDP's post-backward hook has fired on the input-gradient
     pass (I), and with resharded weights the W gradients of sharded parameters come out wrong
     (grad norm 13.4 instead of 17.7 at PP2 x FSDP2 ZBVZeroBubble, torch 2.13; measured). Keeping
     the weights gathered from forward to W makes them exact (tested)."""
-    p = cfg.parallelism
-    if dims.pp > 1 and p.pipeline_parallel_schedule in SPLIT_BACKWARD:
-        return False
-    return p.fsdp_reshard_after_forward
+    return cfg.parallelism.fsdp_reshard_after_forward and not splits_backward(cfg, dims)
 
 
 def _enable_async_tp(tp_mesh) -> None:

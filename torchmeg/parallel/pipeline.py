@@ -19,13 +19,18 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 
 SINGLE = ("GPipe", "1F1B")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 # Schedules that split backward into input-gradient (I) and weight-gradient (W) passes.
 SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def splits_backward(cfg, dims) -> bool:
+    """Whether this layout's pipeline schedule backpropagates twice (inputs, then weights)."""
+    return dims.pp > 1 and cfg.parallelism.pipeline_parallel_schedule in SPLIT_BACKWARD
 
 
 def plan_stages(cfg, n_layers: int, pp: int) -> tuple[int, list[int]]:

@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from torchmeg.float8 import is_float8_linear
+from torchmeg.parallel.float8 import is_float8_linear
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_replicated", "colwise", "rowwise",

@@ -19,8 +19,8 @@ import json
 import os
 import sys
 
-from torchmeg.config import load_config
-from torchmeg.errors import ConfigError
+from torchmeg.config.schema import load_config
+from torchmeg.config.errors import ConfigError
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.measure import measure_main
 from torchmeg.plan.planner import plan, recipe_world

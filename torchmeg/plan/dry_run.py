@@ -31,10 +31,10 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchmeg.build import ModelStep, build_parallel_model, forward_backward, loss_function
-from torchmeg.layout import Layout
-from torchmeg.metrics import local_bytes, model_state_bytes
-from torchmeg.optim import build_optimizer, grad_norm
+from torchmeg.train.build import ModelStep, build_parallel_model, forward_backward, loss_function
+from torchmeg.config.layout import Layout
+from torchmeg.observe.metrics import local_bytes, model_state_bytes
+from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
 from torchmeg.plan.step_cost import StepCost, add_comm, mesh_group_labels

@@ -9,8 +9,8 @@ import os
 
 from torchmeg.plan.dry_run import activation_bytes, track_step
 from torchmeg.plan.step_cost import mesh_group_labels
-from torchmeg.trainer import Trainer
-from torchmeg.validate import validate
+from torchmeg.train.trainer import Trainer
+from torchmeg.train.validate import validate
 
 
 def measure_main(cfg, json_path: str | None) -> int:

@@ -1,6 +1,6 @@
 """plan(): one recipe at a world size -> per-rank memory, communication, FLOPs, predicted step time.
 
-Validates the recipe without its data (torchmeg.validate, data=False), dry-runs one training step
+Validates the recipe without its data (torchmeg.train.validate, data=False), dry-runs one training step
 per representative rank on fake tensors (torchmeg.plan.dry_run) and predicts its time on a GPU
 (torchmeg.plan.predict). The CLI is torchmeg.plan.__main__; --search calls plan() per layout.
 """
@@ -10,13 +10,13 @@ import copy
 import dataclasses
 import time
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 from torchmeg.models.args import instantiate
 from torchmeg.models.count import active_params, count_params, flops_per_token
 from torchmeg.plan.dry_run import activation_bytes, dry_run
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.predict import predict
-from torchmeg.validate import validate
+from torchmeg.train.validate import validate
 
 
 def recipe_world(cfg) -> int:

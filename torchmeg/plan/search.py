@@ -12,10 +12,10 @@ from __future__ import annotations
 import copy
 import time
 
-from torchmeg.errors import ConfigError
+from torchmeg.config.errors import ConfigError
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.planner import plan
-from torchmeg.validate import validate
+from torchmeg.train.validate import validate
 
 MODES = ("none", "selective", "full")
 

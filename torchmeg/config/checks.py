@@ -1,0 +1,87 @@
+"""What the recipe alone decides: every key's range and choices, and keys that go together.
+
+Run by torchmeg.train.validate before the checks that need the model, the world size or the disk.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+from torchmeg.config.schema import Config, section_fields, sections
+from torchmeg.config.errors import ConfigError
+
+
+def _check_field_ranges(cfg: Config) -> None:
+    for sec in sections():
+        section = getattr(cfg, sec)
+        for name, f in section_fields(sec).items():
+            v, m = getattr(section, name), f.metadata
+            key = f"{sec}.{name}"
+            if m.get("choices") and v not in m["choices"]:
+                raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(map(str, m['choices']))}")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{key} = {v!r}: must be a finite number")
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                if m.get("lo") is not None and v < m["lo"]:
+                    raise ConfigError(f"{key} = {v!r}: must be >= {m['lo']}")
+                if m.get("hi") is not None and v > m["hi"]:
+                    raise ConfigError(f"{key} = {v!r}: must be <= {m['hi']}")
+
+
+def _check_job_name(cfg: Config) -> None:
+    """Outputs go to <dump_folder>/<name>/: the name may nest folders but never leave dump_folder."""
+    name = cfg.job.name
+    parts = name.replace("\\", "/").split("/")
+    if not name.strip() or os.path.isabs(name) or ".." in parts or any(not x for x in parts) or "\0" in name:
+        raise ConfigError(f"job.name = {name!r}: must be a relative name inside job.dump_folder (no '..', no "
+                          f"leading '/', no empty parts); e.g. \"my_run\" or \"sweep/lr_3e-3\"")
+
+
+def _check_special(cfg: Config) -> None:
+    p, t = cfg.parallelism, cfg.training
+    _check_job_name(cfg)
+    if cfg.profiling.enable and cfg.profiling.profile_freq < cfg.profiling.active_steps + 2:
+        raise ConfigError(f"profiling.profile_freq = {cfg.profiling.profile_freq}: must be at least active_steps + 2 "
+                          f"= {cfg.profiling.active_steps + 2} (one warm-up step, then the recorded ones)")
+    if p.data_parallel_shard_degree == 0:
+        raise ConfigError("parallelism.data_parallel_shard_degree = 0: use -1 (fill) or a degree >= 1")
+    if len(cfg.optimizer.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas = {cfg.optimizer.betas!r}: must be two numbers in [0, 1)")
+    if t.global_batch_size == 0:
+        raise ConfigError("training.global_batch_size = 0: use -1 (= local_batch_size x dp) or a positive multiple")
+    sel = cfg.activation_checkpoint.selective_option
+    if isinstance(sel, str) and sel != "op":
+        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
+    if isinstance(sel, int) and sel < 1:
+        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
+    em = cfg.float8.emulate
+    if isinstance(em, str) and em != "auto":
+        raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
+    comps = cfg.compile.components
+    bad = [c for c in comps if c not in ("model", "loss")]
+    if bad:
+        raise ConfigError(f"compile.components = {comps!r}: unknown component {bad[0]!r}; allowed: model, loss")
+
+
+def _check_timeouts(cfg: Config) -> None:
+    """A collective must not time out before the watchdog of the same phase reports the hang: the
+    watchdog names the phase and dumps every thread's stack; a timed-out collective only says which
+    collective, on the ranks that were waiting, not on the one that hung."""
+    t, c = cfg.training, cfg.comm
+    if t.watchdog_factor <= 0:
+        return
+    if c.init_timeout_seconds <= t.watchdog_startup_s:
+        raise ConfigError(f"comm.init_timeout_seconds = {c.init_timeout_seconds:g}: must exceed "
+                          f"training.watchdog_startup_s = {t.watchdog_startup_s:g} (a waiting rank would time out "
+                          f"before the watchdog reports the hang); raise it or lower watchdog_startup_s")
+    if c.train_timeout_seconds <= t.watchdog_min_s:
+        raise ConfigError(f"comm.train_timeout_seconds = {c.train_timeout_seconds:g}: must exceed "
+                          f"training.watchdog_min_s = {t.watchdog_min_s:g} (a waiting rank would time out before "
+                          f"the watchdog reports the hang); raise it or lower watchdog_min_s")
+
+
+def check_recipe(cfg: Config) -> None:
+    """Everything the recipe alone decides: types and ranges of every key, choices, keys that go together."""
+    _check_field_ranges(cfg)
+    _check_special(cfg)
+    _check_timeouts(cfg)

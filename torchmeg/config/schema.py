@@ -1,0 +1,387 @@
+"""Recipe schema: typed dataclasses, TOML loading, CLI overrides and validation.
+
+The section and key names are the public contract (see RECIPES.md). Every bad input raises
+`ConfigError` with ONE line naming the key, the value and what is allowed; the CLI turns that
+into exit code 2 before any process group exists.
+
+Types are checked as a recipe loads; what else the recipe alone decides (ranges, choices, keys
+that go together) is torchmeg.config.checks', and the checks against the model, the world size,
+the data and the disk are their owners'; `torchmeg.train.validate` runs them all. This module imports
+nothing from torchmeg but its errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from torchmeg.config.errors import ConfigError
+
+__all__ = ["Config", "ConfigError", "coerce", "load_config", "split_overrides"]
+
+
+def _f(default, *, choices=None, lo=None, hi=None, help=""):
+    meta = {"choices": choices, "lo": lo, "hi": hi, "help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    name: str = _f("debug_llama", help="run name; outputs go to <dump_folder>/<name>/")
+    dump_folder: str = _f("./outputs")
+    seed: int = _f(0, lo=0)
+    cpu_keep_freed_memory: bool = _f(True, help="CPU runs: glibc keeps freed blocks up to 32 MiB for reuse instead of "
+                                                "returning them to the kernel each step (fewer page faults, a few "
+                                                "percent tokens/s; a little more resident memory)")
+
+
+@dataclass
+class Model:
+    name: str = _f("llama", help="registry key")
+    flavor: str = _f("debug")
+    blocks: str = _f("", help="FQN of the ModuleList/ModuleDict/Sequential of repeated blocks; '' = found")
+    hf_config: str = _f("", help="model.name = 'hf': a Hugging Face config.json, or a directory holding one")
+    hf_attn_implementation: str = _f("sdpa", choices=["sdpa", "eager"],
+                                     help="model.name = 'hf': transformers' attention kernel (eager for models "
+                                          "without SDPA support, e.g. Gemma 2's soft-capped attention)")
+    # Any field of the flavor's args (dim, n_layers, ...) may be set in [model]; they land here
+    # and are checked against the model's own argument dataclass.
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class Data:
+    dataset: Union[str, list] = _f("python_stdlib")
+    weights: list = _f([])
+    tokenizer: str = _f("byte")
+    seq_len: int = _f(256, lo=2)
+    num_workers: int = _f(0, lo=0)
+    val_fraction: float = _f(0.005, lo=0.0, hi=0.5, help="held-out share of the samples")
+    cache_dir: str = _f("", help="where built-in datasets are cached; '' = $TORCHMEG_CACHE or ~/.cache/torchmeg")
+    document_masking: bool = _f(False, help="attention stays within each document of a window and positions "
+                                           "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
+    mask_eod_loss: bool = _f(False, help="no loss on predicting a document's first token from the previous "
+                                        "document's end (Megatron's --eod-mask-loss)")
+
+
+@dataclass
+class Training:
+    steps: int = _f(200, lo=1)
+    local_batch_size: int = _f(8, lo=1)
+    global_batch_size: int = _f(-1, lo=-1)
+    max_norm: float = _f(1.0, lo=0.0)
+    mixed_precision: str = _f("fp32", choices=["fp32", "bf16"])
+    device: str = _f("auto", choices=["auto", "cpu", "cuda"])
+    deterministic: bool = _f(False)
+    on_nonfinite: str = _f("skip", choices=["skip", "stop"])
+    max_consecutive_skips: int = _f(10, lo=0, help="stop after this many non-finite steps in a row; 0 = no cap")
+    loss_spike_factor: float = _f(3.0, lo=0.0, help="a loss above this x the median of the last loss_spike_window "
+                                                    "steps is a spike; 0 = off")
+    loss_spike_window: int = _f(100, lo=1, help="steps whose losses form the running median")
+    on_loss_spike: str = _f("log", choices=["log", "skip", "stop"],
+                            help="log: report it and apply the step; skip: report it, no update; stop: exit 1")
+    fused_linear_cross_entropy: bool = _f(False, help="the LM head and the loss computed together over chunks of "
+                                                      "tokens: the [tokens, vocab] logits never exist (torchmeg.kernels.fused_ce)")
+    watchdog_factor: float = _f(10.0, lo=0.0, help="a step slower than this x the median step is a hang; 0 = off")
+    watchdog_min_s: float = _f(120.0, lo=1.0, help="the watchdog never fires on a step before this many seconds")
+    watchdog_startup_s: float = _f(1800.0, lo=1.0, help="limit for the first steps (compile), eval, checkpoint I/O")
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
+    lr: float = _f(3e-3, lo=0.0)
+    weight_decay: float = _f(0.1, lo=0.0)
+    betas: list = _f([0.9, 0.95])
+    eps: float = _f(1e-8, lo=0.0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(20, lo=0)
+    decay_type: str = _f("cosine", choices=["cosine", "linear", "constant"])
+    min_lr_ratio: float = _f(0.1, lo=0.0, hi=1.0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, lo=1)
+    data_parallel_shard_degree: int = _f(-1, lo=-1)
+    tensor_parallel_degree: int = _f(1, lo=1)
+    sequence_parallel: bool = _f(True)
+    loss_parallel: bool = _f(True)
+    pipeline_parallel_degree: int = _f(1, lo=1)
+    pipeline_parallel_schedule: str = _f(
+        "1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+    pipeline_parallel_microbatches: int = _f(-1, lo=-1)
+    pipeline_parallel_layers_per_stage: Union[int, list] = _f(-1)
+    context_parallel_degree: int = _f(1, lo=1)
+    context_parallel_mode: str = _f("allgather", choices=["allgather", "ring", "alltoall"],
+                                    help="K/V exchange of context-parallel attention")
+    expert_parallel_degree: int = _f(1, lo=1)
+    enable_async_tensor_parallel: bool = _f(False)
+    fsdp_reshard_after_forward: bool = _f(True)
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", choices=["none", "full", "selective"])
+    selective_option: Union[str, int] = _f("op")
+
+
+@dataclass
+class Compile:
+    enable: bool = _f(False)
+    components: list = _f(["model", "loss"])
+    cache_dir: str = _f("", help="inductor's kernel cache; '' = TORCHINDUCTOR_CACHE_DIR or torch's default")
+
+
+@dataclass
+class Float8:
+    enable: bool = _f(False)
+    recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    emulate: Union[str, bool] = _f("auto")
+    enable_fsdp_float8_all_gather: bool = _f(False)
+    filter_fqns: list = _f(["output", "lm_head"])
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _f(False)
+    folder: str = _f("checkpoint")
+    interval: int = _f(100, lo=1)
+    keep_latest_k: int = _f(2, lo=0)
+    async_mode: str = _f("disabled", choices=["disabled", "async"])
+    load_step: int = _f(-1, lo=-1)
+    export_hf: bool = _f(False)
+    initial_load_hf: str = _f("", help="a Hugging Face safetensors directory to start from (model.name = 'hf'), "
+                              "when there is no checkpoint to resume; each rank reads only its shard")
+    last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
+    export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
+    on_damaged: str = _f("fallback", choices=["fallback", "stop"],
+                         help="a damaged newest checkpoint: load the previous complete one, or stop")
+    verify: bool = _f(True, help="record file sizes and CRC32s at commit; check them before loading")
+    remap_data_position: bool = _f(False, help="allow resuming with another global batch / seq_len; "
+                                   "the data position then follows the tokens consumed")
+
+
+@dataclass
+class Validation:
+    enable: bool = _f(False)
+    freq: int = _f(100, lo=1)
+    steps: int = _f(10, lo=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, lo=1)
+    enable_tensorboard: bool = _f(True)
+    jsonl: bool = _f(True)
+
+
+@dataclass
+class Profiling:
+    enable: bool = _f(False)
+    profile_freq: int = _f(100, lo=1)
+    active_steps: int = _f(2, lo=1, help="steps recorded at the end of each profile_freq window")
+    memory: bool = _f(True, help="also a memory snapshot (CUDA) or memory timeline (CPU) per window")
+
+
+@dataclass
+class Comm:
+    # As torchtitan's comm.*_timeout_seconds: a long limit while ranks may legitimately wait on each
+    # other for minutes (start-up, compilation of the first steps, evaluation, checkpoint I/O), a
+    # shorter one between steady training steps. Each stays above the watchdog's limit for the same
+    # phase, so a hang is reported by the watchdog (phase, stacks) before a collective times out.
+    init_timeout_seconds: float = _f(2400.0, lo=1.0, help="collective timeout at start-up, in the first training "
+                                                          "steps, evaluation and checkpoint I/O; must exceed "
+                                                          "training.watchdog_startup_s")
+    train_timeout_seconds: float = _f(600.0, lo=1.0, help="collective timeout in steady training steps (raised to "
+                                                          "1.25 x the watchdog's step limit when that is longer); "
+                                                          "must exceed training.watchdog_min_s")
+
+
+@dataclass
+class Plan:
+    world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
+                                        "degrees, which then must not use data_parallel_shard_degree = -1")
+    gpu: str = _f("h100", choices=["h100", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    plan: Plan = field(default_factory=Plan)
+    comm: Comm = field(default_factory=Comm)
+
+    # Where the recipe came from (for relative paths and messages); not a recipe key.
+    source: str = field(default="<defaults>", repr=False)
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.job.dump_folder, self.job.name)
+
+
+def sections() -> list[str]:
+    return [f.name for f in dataclasses.fields(Config) if f.name != "source"]
+
+
+def section_fields(sec: str) -> dict[str, dataclasses.Field]:
+    cls = type(getattr(Config(), sec))
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "overrides"}
+
+
+def _suggest(name: str, options) -> str:
+    m = difflib.get_close_matches(name, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{m[0]}'?" if m else f"; allowed: {', '.join(sorted(options))}"
+
+
+# ---- typing ---------------------------------------------------------------------------------
+
+_HINTS: dict = {}
+
+
+def _hint(sec: str, key: str):
+    cls = type(getattr(Config(), sec))
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls][key]
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            list: "a list", dict: "a table"}.get(tp, str(tp))
+
+
+def coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against type `tp`; return it (ints widened to float where a float is expected)."""
+    options = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    for t in options:
+        if t is bool and isinstance(value, bool):
+            return value
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is str and isinstance(value, str):
+            return value
+        if t is list and isinstance(value, list):
+            return value
+    raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
+
+
+def parse_cli_value(key: str, text: str, tp) -> Any:
+    """Turn an override's text into a value of type `tp` (TOML syntax where it parses)."""
+    options = typing.get_args(tp) if typing.get_origin(tp) is Union else (tp,)
+    if bool in options and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare string such as a path or a name
+    fits = any(isinstance(value, t) and not (t is int and isinstance(value, bool)) for t in options) \
+        or (float in options and isinstance(value, int) and not isinstance(value, bool))
+    if str in options and not fits:
+        value = text  # e.g. --job.name=123 stays the string "123"
+    return coerce(key, value, tp)
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def _apply(cfg: Config, sec: str, key: str, value: Any, origin: str) -> None:
+    if sec not in sections():
+        raise ConfigError(f"unknown section [{sec}] ({origin}){_suggest(sec, sections())}")
+    section = getattr(cfg, sec)
+    fields = section_fields(sec)
+    if key in fields:
+        setattr(section, key, coerce(f"{sec}.{key}", value, _hint(sec, key)))
+    elif sec == "model":
+        section.overrides[key] = value  # checked against the model's args in validate()
+    else:
+        raise ConfigError(f"unknown key '{sec}.{key}' ({origin}){_suggest(key, fields)}")
+
+
+def split_overrides(argv: list[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """`--section.key=value` / `--section.key value` pairs, and the remaining arguments."""
+    pairs, rest, i = [], [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a.startswith("--") and "." in a.split("=", 1)[0]:
+            if "=" in a:
+                k, v = a[2:].split("=", 1)
+            else:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"override {a} has no value; write {a}=VALUE")
+                k, v = a[2:], argv[i + 1]
+                i += 1
+            pairs.append((k, v))
+        else:
+            rest.append(a)
+        i += 1
+    return pairs, rest
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- CLI overrides. Raises ConfigError with a one-line message."""
+    cfg = Config()
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"--config {path!r}: no such file; pass a path to a .toml recipe (see recipes/)")
+        cfg.source = path
+        try:
+            with open(path, "rb") as fh:
+                doc = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        for sec, table in doc.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: top-level key '{sec}' must be a [section]{_suggest(sec, sections())}")
+            for key, value in table.items():
+                _apply(cfg, sec, key, value, path)
+    pairs, rest = split_overrides(list(overrides or []))
+    if rest:
+        raise ConfigError(f"unrecognised argument {rest[0]!r}; overrides look like --section.key=value")
+    for dotted, text in pairs:
+        sec, _, key = dotted.partition(".")
+        if sec not in sections():
+            raise ConfigError(f"unknown section in --{dotted}{_suggest(sec, sections())}")
+        if key in section_fields(sec):
+            value = parse_cli_value(f"{sec}.{key}", text, _hint(sec, key))
+        elif sec == "model":  # typed later against the model's own args dataclass
+            if text.lower() in ("true", "false"):
+                value = text.lower() == "true"
+            else:
+                try:
+                    value = tomllib.loads(f"v = {text}")["v"]
+                except tomllib.TOMLDecodeError:
+                    value = text
+        else:
+            raise ConfigError(f"unknown key '{dotted}' (command line){_suggest(key, section_fields(sec))}")
+        _apply(cfg, sec, key, value, "command line")
+    return cfg

@@ -1,0 +1,175 @@
+"""Text generation from a model in torchmeg's interface: prefill, then one token at a time through
+the KV cache (torchmeg.models.kv_cache), or by recomputing the whole sequence (the reference the
+cache is checked against, and the benchmark's baseline).
+
+Sampling: greedy at temperature 0; else temperature, top-k and top-p (nucleus, Holtzman et al.
+2020) shape the distribution and one uniform per row picks the token by inverse CDF. The uniforms
+are counter-based (torchmeg.models.init.uniform): row b's draw at step t is a pure function of
+(seed, row b's prompt tokens, sample index, t). So a prompt generates the same text alone or in any
+batch, every tensor-parallel rank draws the same token from the same (gathered) logits, and no
+generator state needs to travel.
+
+A batch of prompts of different lengths is left-padded to one length (KVCache masks the padding
+and gives each row its own positions).
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.models.init import uniform
+from torchmeg.models.kv_cache import KVCache
+
+_STEP_BITS = 20  # a row's stream holds 2^20 steps: its key sits above them in the counter
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0   # 0: greedy
+    top_k: int = 0             # 0: off
+    top_p: float = 1.0         # 1: off
+    seed: int = 0
+
+    def check(self) -> None:
+        """Bad values -> one line naming the flag."""
+        if not (self.temperature >= 0 and self.temperature == self.temperature and self.temperature != float("inf")):
+            raise ConfigError(f"--temperature {self.temperature}: must be a finite number >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k {self.top_k}: must be >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1] (1 = off)")
+        if self.seed < 0:
+            raise ConfigError(f"--seed {self.seed}: must be >= 0")
+
+
+def row_streams(prompts: list[list[int]], sample_index: int = 0) -> torch.Tensor:
+    """One random stream per row, named by the row's prompt tokens and the sample index."""
+    keys = []
+    for p in prompts:
+        crc = zlib.crc32(torch.tensor(p, dtype=torch.int64).numpy().tobytes())
+        keys.append((crc * 1009 + sample_index) % (1 << (62 - _STEP_BITS)))
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step: int) -> torch.Tensor:
+    """The next token of every row, [B] int64."""
+    logits = logits_BV.float()
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    x = logits / s.temperature
+    if s.top_k > 0:
+        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = x.softmax(-1)
+    if s.top_p < 1:
+        # Keep the most likely tokens until their mass reaches top_p (the one crossing it included).
+        p_sorted, order = probs.sort(-1, descending=True)
+        drop = p_sorted.cumsum(-1) - p_sorted >= s.top_p
+        probs = torch.zeros_like(probs).scatter_(-1, order, p_sorted.masked_fill(drop, 0.0))
+    cdf = probs.double().cumsum(-1)
+    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed).to(logits.device)
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+@dataclass
+class Generated:
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)   # new tokens, the end-of-document one excluded
+    finish_reason: str = "length"                      # "eos" | "length"
+    prefill_ms: float = 0.0                            # of the batch this prompt ran in
+    decode_tokens_per_sec: float = 0.0                 # of that batch: tokens after each row's first / time after prefill
+    logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # per step, when asked for
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, sampling: Sampling,
+             device, use_cache: bool = True, decode_step=None, sample_index: int = 0,
+             keep_logits: bool = False) -> list[Generated]:
+    """Generate up to `max_new_tokens` per prompt, stopping a row at `eos_id`.
+
+    use_cache=False recomputes the whole sequence at every step, one prompt at a time (a batch
+    would need the padding mask only the cache path builds). `decode_step(model, tokens_B1, cache)`
+    -> logits [B, V] replaces the eager decode step (a compiled one, over a static cache)."""
+    device = torch.device(device)
+    if not use_cache:
+        return [_recompute(model, p, max_new_tokens, eos_id, sampling, device, sample_index, keep_logits)
+                for p in prompts]
+    B, P = len(prompts), max(len(p) for p in prompts)
+    filler = max(eos_id, 0)  # what padding slots and finished rows hold (masked: any valid id does)
+    pad = torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
+    tokens = torch.tensor([[filler] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    cache = KVCache(B, P + max_new_tokens, pad, static=decode_step is not None, device=device)
+    streams = row_streams(prompts, sample_index)
+    out = [Generated(list(p)) for p in prompts]
+    t0 = time.perf_counter()
+    logits = model(tokens, positions=cache.positions(P), cache=cache)[:, -1].float()
+    cache.advance(P)
+    _sync(device)
+    prefill_ms, t1, decoded = 1000 * (time.perf_counter() - t0), time.perf_counter(), 0
+    done = torch.zeros(B, dtype=torch.bool)
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, streams, step)
+        new = nxt.tolist()
+        for b, g in enumerate(out):
+            if done[b]:
+                continue
+            decoded += step > 0  # (a row's first token comes from the prefill's logits)
+            if keep_logits:
+                g.logits.append(logits[b].cpu())
+            if new[b] == eos_id:
+                g.finish_reason, done[b] = "eos", True
+            else:
+                g.tokens.append(new[b])
+        if bool(done.all()) or step == max_new_tokens - 1:
+            break
+        inp = nxt.masked_fill(done.to(nxt.device), filler)[:, None]
+        if decode_step is not None:
+            logits = decode_step(model, inp, cache).float()
+        else:
+            logits = model(inp, positions=cache.positions(1), cache=cache)[:, -1].float()
+        cache.advance(1)
+    _sync(device)
+    rate = decoded / max(time.perf_counter() - t1, 1e-9)
+    for g in out:
+        g.prefill_ms, g.decode_tokens_per_sec = prefill_ms, rate
+    return out
+
+
+def decode_one(model, tokens_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode step over a static cache: the same shapes at every position (what compile takes)."""
+    return model(tokens_B1, positions=cache.positions(1), cache=cache)[:, -1]
+
+
+def _recompute(model, prompt: list[int], max_new_tokens: int, eos_id: int, sampling: Sampling, device,
+               sample_index: int, keep_logits: bool) -> Generated:
+    g = Generated(list(prompt))
+    streams = row_streams([prompt], sample_index)
+    seq = torch.tensor([prompt], dtype=torch.long, device=device)
+    t0 = t1 = time.perf_counter()
+    for step in range(max_new_tokens):
+        logits = model(seq)[:, -1].float()
+        if step == 0:
+            _sync(device)
+            g.prefill_ms, t1 = 1000 * (time.perf_counter() - t0), time.perf_counter()
+        if keep_logits:
+            g.logits.append(logits[0].cpu())
+        nxt = sample(logits, sampling, streams, step)
+        if int(nxt) == eos_id:
+            g.finish_reason = "eos"
+            break
+        g.tokens.append(int(nxt))
+        seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+    _sync(device)
+    steps_after_first = len(g.tokens) - (g.finish_reason == "length")
+    g.decode_tokens_per_sec = max(steps_after_first, 0) / max(time.perf_counter() - t1, 1e-9)
+    return g

@@ -1,0 +1,74 @@
+"""What actually ran in a training step: the dtypes reaching each matmul/attention op, every dtype
+any op touched, the modules float8 converted, and how every parameter is laid out (DTensor mesh,
+placements, local and global shape: a tensor parallel that silently replicated shows here). A precision feature that silently does nothing
+(a bf16 policy left in fp32, a float8 conversion that matched no Linear) shows up here, where
+comparing two runs of the same silent no-op cannot see it.
+
+The trainer records step 1 when TORCHMEG_RECORD_OPS=PATH is set (rank r writes PATH.rank<r>.json).
+Ops inside compiled graphs run as inductor kernels and are not seen.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torchmeg.parallel.float8 import is_float8_linear
+
+# The ops whose operand dtype *is* the compute precision.
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear",
+              "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "scaled_dot_product_attention"}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.matmul: dict[str, set[str]] = {}
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op = func.overloadpacket.__name__
+        ins = {_name(t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outs = {_name(t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        self.seen |= ins | outs
+        if op in MATMUL_OPS:
+            self.matmul.setdefault(op, set()).update(ins - {"int64", "bool"})
+        return out
+
+    def report(self, model: torch.nn.Module) -> dict:
+        return {"matmul_dtypes": {k: sorted(v) for k, v in sorted(self.matmul.items())},
+                "dtypes_seen": sorted(self.seen),
+                "float8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_float8_linear(m)),
+                "params": {_clean(n): _layout(p) for n, p in model.named_parameters()}}
+
+
+def _placement(x) -> str:
+    if x.is_shard():
+        return f"Shard({x.dim})"
+    return "Replicate" if x.is_replicate() else "Partial"
+
+
+def _layout(p: torch.Tensor) -> dict:
+    if hasattr(p, "placements"):  # a DTensor (duck-typed: this module imports nothing distributed)
+        return {"mesh": list(p.device_mesh.mesh_dim_names or ()), "placements": [_placement(x) for x in p.placements],
+                "local": list(p.to_local().shape), "global": list(p.shape)}
+    return {"mesh": [], "placements": [], "local": list(p.shape), "global": list(p.shape)}
+
+
+def _clean(fqn: str) -> str:
+    """The model's own FQN, without the wrappers' path parts (recompute, compile)."""
+    return ".".join(p for p in fqn.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod"))
+
+
+def write(path: str, rank: int, report: dict) -> None:
+    with open(f"{path}.rank{rank}.json", "w") as fh:
+        json.dump(report, fh, indent=1)

@@ -1,0 +1,64 @@
+"""The run header rank 0 prints before step 1: what runs, on what, from where, at what peak."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchmeg import __version__
+from torchmeg.runtime import process as runtime
+from torchmeg.kernels.fused_ce import chunk_rows
+from torchmeg.models.count import active_params, count_params
+
+
+def header_lines(tr) -> list[str]:
+    """The run header rank 0 prints before step 1."""
+    c, d, layout, whole = tr.cfg, tr.dims, tr.layout, tr.built.whole
+    a = layout.args
+    n, dense, active = count_params(whole), count_params(whole, exclude_embeddings=True), active_params(whole)
+    if layout.spec.make_args is not None:  # e.g. hf/llama (LlamaForCausalLM from recipes/hf/x.json)
+        name = f"{c.model.name}/{a.model_type} ({getattr(whole, 'hf_class', type(whole).__name__)} from {c.model.hf_config})"
+    else:
+        name = f"{c.model.name}/{c.model.flavor}"
+    src = tr.train_set.src
+    n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
+    return [
+        f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
+        f"model      {name}: {n / 1e6:.2f}M params ({dense / 1e6:.2f}M non-embedding"
+        + (f", {active / 1e6:.2f}M active per token" if active != n else "")
+        + f"), {a.n_layers} layers, dim {a.dim}, heads {a.n_heads}/{a.kv_heads}, vocab {a.vocab_size}; "
+        f"{tr.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}",
+        f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
+        f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
+        f"layout     {d.describe()} | {tr.device.type} ({dist.get_backend()}) | {c.training.mixed_precision}"
+        + (" | glibc keeps freed memory" if runtime.FREED_MEMORY_KEPT else "")
+        + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
+        *_node_lines(d),
+        f"parallel   {tr.built.report}",
+        f"init       {tr.init_note}",
+        f"batch      {layout.local_batch} seq x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
+        f"seq = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
+        f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
+        f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
+        f"clip {c.training.max_norm:g}",
+        f"loss       {_loss_line(c, tr.built, layout)}",
+        f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
+    ]
+
+
+def _loss_line(cfg, built, layout) -> str:
+    what = ("cross-entropy summed over targets / all positions (end-of-document targets masked)"
+            if cfg.data.mask_eod_loss else "cross-entropy, mean over targets")
+    if cfg.training.fused_linear_cross_entropy:
+        vocab = layout.args.vocab_size // layout.dims.tp
+        return (f"{what}; fused with the LM head '{layout.spec.head}' (torchmeg.kernels.fused_ce): logits of at most "
+                f"{chunk_rows(vocab, 1 << 62):,} tokens at a time (256 MiB fp32)"
+                + (", vocab-sharded over TP" if layout.dims.tp > 1 else ""))
+    return what + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else "")
+
+
+def _node_lines(dims) -> list[str]:
+    """The header's line on nodes, for a job that spans more than one."""
+    n_nodes, per_node, _ = runtime.nodes()
+    if n_nodes == 1:
+        return []
+    return [f"nodes      {n_nodes} x {per_node} ranks: {dims.node_split(per_node)}"]

@@ -1,0 +1,227 @@
+"""The model on this rank and how one step runs it: shared by the trainer and the planner.
+
+`build_parallel_model` makes this rank's model from a Layout: built whole on meta, split into its
+pipeline stages, each stage put through `parallelize()` and materialised on the device with every
+parameter initialised from (seed, FQN) on its own shard only. The planner's fake-tensor dry run
+passes seed None (storage only), schedule=False (no peers to run one with) and storage=a
+FakeTensorMode (what storage is made under; parallelize() itself runs outside it, as it builds
+meshes).
+
+`forward_backward` / `eval_step` run one step's microbatches through that model (`ModelStep`): the
+trainer calls them for real, the planner under its trackers on fake tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
+from torch.profiler import record_function
+
+from torchmeg.kernels.fused_ce import linear_cross_entropy
+from torchmeg.config.layout import Layout
+from torchmeg.models.args import instantiate
+from torchmeg.models.init import materialize
+from torchmeg.models.spec import spec_tp_plan
+from torchmeg.parallel import pipeline as pl
+from torchmeg.parallel.context import shard_sequence
+from torchmeg.parallel.parallelize import describe_report, parallelize, reshard_after_forward
+from torchmeg.parallel.shards import local_block
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def cross_entropy_masked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """data.mask_eod_loss: the sum over the positions that are targets, divided by all positions.
+    Dividing by every position (not only the targets) keeps each microbatch's weight the same
+    under every layout, with no token count to exchange; the masked share (one position per
+    document) shrinks the loss by that fraction."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / labels.numel()
+
+
+def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
+    """The recipe's loss over the model's output. With training.fused_linear_cross_entropy the
+    model ends at its final norm and the loss applies the LM head (built.head, its weight read at
+    every call: FSDP's unsharded one after the forward) chunk by chunk: torchmeg.kernels.fused_ce."""
+    if built is not None and built.head is not None:
+        module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
+        mean_over = "positions" if cfg.data.mask_eod_loss else "targets"
+        return lambda h, labels: linear_cross_entropy(h, module.weight, labels, mean_over, sp, keep)
+    return cross_entropy_masked if cfg.data.mask_eod_loss else cross_entropy
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module            # this rank's model (a StageUnion of its pipeline stages under PP)
+    whole: nn.Module            # the meta model before any split: counts and FLOPs
+    parts: list[nn.Module]      # the stages this rank runs, or [model]
+    stage_ids: list[int]
+    schedule: pl.Pipeline | None
+    has_first: bool             # holds the first stage (takes token ids) / the last (makes the loss)
+    has_last: bool
+    report: str                 # what parallelize() did, one line
+    stage_desc: str             # the pipeline split, one line ("" without PP)
+    head: nn.Module | None = None  # the LM head the loss applies (fused linear + CE; on the last stage)
+    head_sequence_sharded: bool = False  # the model's output is this rank's sequence shard (TP + SP)
+    split_backward: bool = False  # a pipeline schedule that backpropagates twice (inputs, then weights)
+
+
+def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
+                         loss_fn: Callable | None = None, schedule: bool = True,
+                         storage=contextlib.nullcontext, fused_head: bool | None = None) -> BuiltModel:
+    """`fused_head`: the loss applies the LM head (default: training.fused_linear_cross_entropy;
+    generation passes False: it needs the logits)."""
+    spec, dims = layout.spec, layout.dims
+    whole = instantiate(spec, layout.args, "meta")
+    fused = cfg.training.fused_linear_cross_entropy if fused_head is None else fused_head
+    head = {}
+
+    def prepare(part: nn.Module) -> None:
+        parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=spec_tp_plan(spec, part),
+                    plan_must_match=callable(spec.tp_plan))  # a plan derived from this very model: all must match
+        with storage():
+            materialize(part, device, seed, block=local_block)
+        if fused and getattr(part, spec.head, None) is not None:
+            part.head_in_loss = True  # the model returns the final norm's output; loss_function applies the head
+            head.update(head=getattr(part, spec.head),
+                        head_sequence_sharded=dims.tp > 1 and part.torchmeg_report.get("sequence_parallel", False))
+
+    st = layout.stages
+    if st is None:
+        prepare(whole)
+        return BuiltModel(model=whole, whole=whole, parts=[whole], stage_ids=[0], schedule=None, has_first=True,
+                          has_last=True, report=describe_report(whole.torchmeg_report), stage_desc="", **head)
+    # Split into this rank's stages first; each stage then goes through the whole pass.
+    ids = pl.stage_ids(mesh["pp"].get_local_rank(), dims.pp, st.per_rank, st.schedule)
+    parts = pl.split_model(whole, spec, list(st.layers), ids)
+    for part in parts:
+        prepare(part)
+    desc = f"stages {ids} of {st.n_stages} ({list(st.layers)} layers), {st.schedule}"
+    if dims.fsdp > 1 and cfg.parallelism.fsdp_reshard_after_forward and not reshard_after_forward(cfg, dims):
+        desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
+    built = BuiltModel(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, stage_ids=ids,
+                       schedule=None, has_first=0 in ids, has_last=st.n_stages - 1 in ids,
+                       report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc,
+                       split_backward=pl.splits_backward(cfg, dims), **head)
+    if schedule:
+        built.schedule = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
+                                           loss_fn or loss_function(cfg, built), st.schedule)
+    return built
+
+
+# ---- one step's microbatches through the model ---------------------------------------------------
+
+@dataclass
+class ModelStep:
+    """What running the model over one step's microbatches needs."""
+    model: nn.Module
+    schedule: pl.Pipeline | None
+    device: torch.device
+    loss_fn: Callable
+    loss_parallel: bool
+    accum: int
+    cp_rank: int
+    cp: int
+    has_first: bool
+    has_last: bool
+    pp_group: object
+
+    @classmethod
+    def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
+        """`loss_fn`: build.loss_function(cfg, built), or a compiled one (the schedule has its own).
+        A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off."""
+        return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
+                   layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
+                   mesh["pp"].get_group())
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
+        t = t.to(self.device)
+        return shard_sequence(t, self.cp_rank, self.cp) if self.cp > 1 else t
+
+    def extra(self, batch) -> dict:
+        """The model's keyword inputs of a batch: document numbers under document masking, whole
+        (context parallel picks its chunks' own; positions come from them)."""
+        return {"documents": batch[2].to(self.device)} if len(batch) > 2 else {}
+
+    def loss_context(self):
+        return loss_parallel_ctx() if self.loss_parallel else contextlib.nullcontext()
+
+
+def _scalar(t) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) -> torch.Tensor:
+    """Forward and backward over the step's microbatches (gradients accumulate in the parameters)
+    -> the sum of this rank's microbatch losses, each divided by accum. `loss_hook(loss) -> loss`
+    is applied to each microbatch's loss before its backward (the trainer's test hooks)."""
+    if ms.schedule is not None:  # the schedule runs every microbatch itself
+        with record_function("torchmeg: forward+backward (pipeline schedule)"):
+            return pipeline_step(ms, batches, train=True)
+    loss_sum = torch.zeros((), device=ms.device)
+    for m, batch in enumerate(batches):
+        inputs, labels = ms.local(batch[0]), ms.local(batch[1])
+        if hasattr(ms.model, "set_requires_gradient_sync"):
+            # Reduce gradients once, after the last microbatch.
+            ms.model.set_requires_gradient_sync(m == ms.accum - 1)
+        # Named ranges for tools/step_profile.py's phases (free when no profiler runs).
+        with ms.loss_context():
+            with record_function("torchmeg: forward"):
+                loss = ms.loss_fn(ms.model(inputs, **ms.extra(batch)), labels) / ms.accum
+                if loss_hook is not None:
+                    loss = loss_hook(loss)
+            with record_function("torchmeg: backward"):
+                loss.backward()
+        loss_sum += _scalar(loss.detach()).float()
+    return loss_sum
+
+
+def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
+    """One schedule run over the step's sequences; the loss (mean over microbatches) is known
+    on the last stage's rank and summed over the pipeline group so every rank holds it."""
+    inputs = ms.local(torch.cat([b[0] for b in batches]))
+    labels = ms.local(torch.cat([b[1] for b in batches]))
+    losses = []
+    args = (inputs,) if ms.has_first else ()
+    kw = {"target": labels, "losses": losses} if ms.has_last else {}
+    if len(batches[0]) > 2:  # every stage takes the document numbers (split into microbatches by torch)
+        kw["documents"] = torch.cat([b[2] for b in batches]).to(ms.device)
+    (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
+    loss = torch.stack([x.detach().float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
+    dist.all_reduce(loss, group=ms.pp_group)
+    return loss
+
+
+@torch.no_grad()
+def eval_step(ms: ModelStep, batches, total: torch.Tensor) -> None:
+    """Add this step's loss (the mean over its microbatches) on this rank into `total`."""
+    if ms.schedule is not None:
+        total += pipeline_step(ms, batches, train=False)
+        return
+    for batch in batches:
+        with ms.loss_context():
+            loss = ms.loss_fn(ms.model(ms.local(batch[0]), **ms.extra(batch)), ms.local(batch[1]))
+        total += _scalar(loss).float() / ms.accum
+
+
+
+@torch.no_grad()
+def mean_eval_loss(ms: ModelStep, loader, steps: int, device, group, on_step: Callable | None = None) -> float:
+    """The mean loss per global batch over `steps` of them from `loader` (this rank's slices),
+    all-reduced over the loss group (dp x cp): the trainer's val_loss and torchmeg.eval's loss are
+    this one computation. `on_step(done)` after each (progress)."""
+    total, it = torch.zeros((), device=device), iter(loader)
+    for s in range(steps):
+        eval_step(ms, [next(it) for _ in range(ms.accum)], total)
+        if on_step is not None:
+            on_step(s + 1)
+    dist.all_reduce(total, group=group)
+    return total.item() / (steps * dist.get_world_size(group))

@@ -1,0 +1,92 @@
+"""`validate(cfg, world_size)`: every check that can run before a process group exists, each in
+the module that owns it, and the Layout they imply (torchmeg.config.layout), derived here once.
+
+Order: the recipe alone (config), the model (registry, args; the cross-section rules each owner
+states: pipeline split, context-parallel attention, HF weights), the degrees against the world
+and the model (parallel.*), the batch, then what must exist on disk (data, checkpoint folder) and
+on the machine (features). The first failure raises ConfigError with one line.
+"""
+from __future__ import annotations
+
+import os
+
+from torchmeg.config.schema import Config
+from torchmeg.config.checks import check_recipe
+from torchmeg.data.sources import check_data_config
+from torchmeg.data.tokenizer import build_tokenizer
+from torchmeg.config.errors import ConfigError
+from torchmeg.config.support import check_supported
+from torchmeg.checkpoint.folder import check_folder
+from torchmeg.checkpoint.hf import check_initial_load
+from torchmeg.config.layout import Layout, StagePlan
+from torchmeg.models.args import check_model_args, model_args
+from torchmeg.models.attention import check_document_masking
+from torchmeg.models.spec import get_spec
+from torchmeg.parallel import context, expert, pipeline
+from torchmeg.parallel.dims import ParallelDims
+
+
+def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> Layout:
+    """Check everything that can be checked before a process group exists -> the run's Layout.
+
+    world_size defaults to $WORLD_SIZE (set by torchrun) or 1. data=False (the planner) checks
+    the model, layout and batch only: no tokenizer file, data set or checkpoint folder is needed
+    (the vocabulary then comes from the flavor or model.vocab_size).
+    """
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_recipe(cfg)
+    spec = get_spec(cfg.model.name)
+    vocab = _tokenizer_vocab(cfg, data)
+    args = model_args(cfg, vocab)
+    if vocab is None and args.vocab_size < 1:
+        raise ConfigError(f"model.vocab_size = {args.vocab_size}: the vocabulary comes from data.tokenizer = "
+                          f"{cfg.data.tokenizer!r}, which is not here; set model.vocab_size to plan without it")
+    p = cfg.parallelism
+    pipeline.check_splittable(spec.name, spec.pipeline, p.pipeline_parallel_degree)
+    context.check_model_has_attention(spec.name, spec.context_parallel, p.context_parallel_degree)
+    check_document_masking(cfg, spec.context_parallel)
+    check_initial_load(cfg, spec.hf_native)
+    check_model_args(cfg, spec, args, vocab)
+
+    dims = ParallelDims.from_config(cfg, world_size)
+    if dims.pp > 1:
+        pipeline.check(cfg, args, dims.pp)
+    if dims.cp > 1:
+        context.check(cfg, args, dims)
+    if dims.ep > 1:
+        expert.check(cfg, args, dims)
+    dims.check_tp(args, cfg)
+    layout = _layout(cfg, world_size, dims, spec, args)
+    if data:
+        check_data_config(cfg)
+        if cfg.checkpoint.enable:
+            check_folder(cfg)
+        check_supported(cfg, dims)
+    return layout
+
+
+def _tokenizer_vocab(cfg: Config, data: bool) -> int | None:
+    """The tokenizer's vocabulary size; None when planning (data=False) without the tokenizer file."""
+    if not data and cfg.data.tokenizer != "byte" and not os.path.isfile(cfg.data.tokenizer):
+        return None
+    return build_tokenizer(cfg.data.tokenizer).vocab_size
+
+
+def _layout(cfg: Config, world_size: int, dims: ParallelDims, spec, args) -> Layout:
+    """The batch arithmetic (the one place it is written) and the pipeline split."""
+    t = cfg.training
+    unit = t.local_batch_size * dims.dp
+    if t.global_batch_size != -1 and t.global_batch_size % unit:
+        raise ConfigError(
+            f"training.global_batch_size = {t.global_batch_size}: must be a multiple of local_batch_size x dp "
+            f"= {t.local_batch_size} x {dims.dp} = {unit} (or -1)")
+    accum = 1 if t.global_batch_size == -1 else t.global_batch_size // unit
+    stages = None
+    if dims.pp > 1:
+        v, counts = pipeline.plan_stages(cfg, args.n_layers, dims.pp)
+        stages = StagePlan(cfg.parallelism.pipeline_parallel_schedule, v, tuple(counts),
+                           pipeline.microbatches(cfg, dims.pp, v, accum))
+    return Layout(world_size=world_size, dims=dims, spec=spec, args=args, seq_len=cfg.data.seq_len,
+                  local_batch=t.local_batch_size, accum=accum, global_batch=unit * accum,
+                  loss_parallel=dims.uses_loss_parallel(cfg.parallelism), stages=stages)
