@@ -29,7 +29,7 @@ PACKAGE_DEPS = {
     "data": {"config", "kernels"},                 # (labels the loss skips: kernels.fused_ce.IGNORE)
     "runtime": {"config"},                         # process group, timeouts, watchdog, exit policy
     "parallel": {"config", "models", "kernels"},   # parallelize() and the compiler-side transforms
-    "checkpoint": {"config", "models", "runtime"},
+    "checkpoint": {"config", "models", "data", "runtime"},  # (data: a converted model's tokenizer)
     "observe": {"config", "models", "kernels", "parallel", "runtime"},
     "train": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe"},
     "inference": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
@@ -42,7 +42,7 @@ ALLOWED = {
     "torchmeg.config.schema": {"torchmeg.config", "torchmeg.config.errors"},
 }
 # The top of the package: its __init__ and the thin `python -m torchmeg.X` entry modules.
-ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch"}
+ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch", "torchmeg.convert"}
 ENTRY_MAX_LINES = 12
 ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args")
 

@@ -235,12 +235,11 @@ def test_export_hf_at_end_of_training_and_convert_tool(tmp_path):
     with torch.no_grad():
         assert torch.equal(hf(x).logits, conv(x).logits)
     # and back: from-hf makes a step-0 checkpoint that training starts from
-    p = subprocess.run([sys.executable, "tools/convert_hf.py", "from-hf", str(hf_dir), "--config",
-                        "recipes/debug_llama.toml", f"--checkpoint.folder={tmp_path / 'imported'}"] + model_args,
+    p = subprocess.run([sys.executable, "tools/convert_hf.py", "from-hf", str(hf_dir), "--out", str(tmp_path / "imported")],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
-    p = run_cli(TINY + CK + ["--training.steps=1", f"--checkpoint.folder={tmp_path / 'imported'}"], tmp_path,
-                name="from_hf")
+    p = run_cli(TINY + CK + ["--training.steps=1", f"--checkpoint.folder={tmp_path / 'imported' / 'checkpoint'}"],
+                tmp_path, name="from_hf")
     first = read_metrics(tmp_path, "from_hf")[0]["loss"]
     trained_last = read_metrics(tmp_path)[-1]["loss"]
     # Started from the trained weights, not from scratch: well below a fresh start's first loss, near

@@ -157,3 +157,21 @@ def test_bad_layout_fails_before_training(tmp_path):
                 check=False, torchrun=True)
     assert p.returncode != 0 and "world size is 2" in p.stderr
     assert "step" not in p.stdout
+
+
+@pytest.mark.slow
+def test_qwen3_shape_tp2_sp_matches_single_process(tmp_path, reference):
+    """Qwen3's attention natively (QK norm over each head, head_dim apart from dim / heads) under TP2
+    with SP and loss parallel: = one process. Each rank normalises its own heads, so the norms'
+    weight gradients are partial sums that must be summed over tp (replicated DTensors: asserted);
+    left unsummed, the ranks' norm weights drift apart and the loss leaves the reference."""
+    qwen3 = ["--model.qk_norm=true", "--model.head_dim=32"]
+    ranks, local, layout = LAYOUTS["tp2_sp_loss_parallel"]
+    run_cli(BASE + qwen3 + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks,
+            env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
+    compare(reference(qwen3), read_metrics(tmp_path), TOL)
+    params = json.loads((tmp_path / "ops.rank0.json").read_text())["params"]
+    norms = [n for n in params if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4 and all(params[n]["placements"] == ["Replicate"] and params[n]["global"] == [32]
+                                   for n in norms), {n: params[n] for n in norms}
+    assert params["layers.0.attention.wq.weight"]["global"] == [4 * 32, 64]  # n_heads x head_dim != dim

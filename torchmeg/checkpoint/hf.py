@@ -25,6 +25,8 @@ _NAMES = [  # torchmeg pattern -> HF pattern
     (r"layers\.(\d+)\.attention\.wk\.weight", "model.layers.{}.self_attn.k_proj.weight"),
     (r"layers\.(\d+)\.attention\.wv\.weight", "model.layers.{}.self_attn.v_proj.weight"),
     (r"layers\.(\d+)\.attention\.wo\.weight", "model.layers.{}.self_attn.o_proj.weight"),
+    (r"layers\.(\d+)\.attention\.q_norm\.weight", "model.layers.{}.self_attn.q_norm.weight"),
+    (r"layers\.(\d+)\.attention\.k_norm\.weight", "model.layers.{}.self_attn.k_norm.weight"),
     (r"layers\.(\d+)\.feed_forward\.w1\.weight", "model.layers.{}.mlp.gate_proj.weight"),
     (r"layers\.(\d+)\.feed_forward\.w2\.weight", "model.layers.{}.mlp.down_proj.weight"),
     (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{}.mlp.up_proj.weight"),
@@ -54,42 +56,89 @@ def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_config(args) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
+    """transformers' config.json for a native llama-family model: LlamaForCausalLM, or
+    Qwen3ForCausalLM where the heads are QK-normed; the rope scaling as transformers names it."""
+    qwen3 = getattr(args, "qk_norm", False)
+    cfg = {
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama", "vocab_size": args.vocab_size,
         "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": args.tie_embeddings, "attention_bias": False,
         "hidden_act": "silu", "torch_dtype": "float32", "head_dim": args.head_dim,
     }
+    if not qwen3:
+        cfg["mlp_bias"] = False
+    scaling = rope_scaling_config(args)
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    return cfg
 
 
-def to_hf_state_dict(sd: dict, args) -> dict:
-    out = {}
-    for name, t in sd.items():
-        if args.tie_embeddings and name == "output.weight":
-            continue
-        if name.endswith("attention.wq.weight"):
-            t = _to_hf_rows(t, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = _to_hf_rows(t, args.kv_heads)
-        out[_rename(name, _NAMES)] = t.contiguous()
+def rope_scaling_config(args) -> dict | None:
+    """The args' RoPE scaling as transformers' rope_scaling dict (None for plain RoPE)."""
+    kind = getattr(args, "rope_type", "default")
+    if kind == "default":
+        return None
+    out = {"rope_type": kind, "factor": args.rope_factor,
+           "original_max_position_embeddings": args.rope_original_max_seq_len}
+    if kind == "llama3":
+        out.update(low_freq_factor=args.rope_low_freq_factor, high_freq_factor=args.rope_high_freq_factor)
+    else:  # yarn
+        out.update(beta_fast=args.rope_beta_fast, beta_slow=args.rope_beta_slow, truncate=args.rope_truncate)
+        for key, value in (("mscale", args.rope_mscale), ("mscale_all_dim", args.rope_mscale_all_dim),
+                           ("attention_factor", args.rope_attention_factor)):
+            if value:
+                out[key] = value
     return out
 
 
+_BACK = [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}").replace("\\.", "."))
+         for src, dst in _NAMES]
+
+
+def hf_name(fqn: str) -> str:
+    return _rename(fqn, _NAMES)
+
+
+def torchmeg_name(hf: str) -> str:
+    return _rename(hf, _BACK)
+
+
+def tensor_to_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
+    """One tensor in transformers' layout (RoPE rows within each head permuted, see the docstring)."""
+    if fqn.endswith("attention.wq.weight"):
+        return _to_hf_rows(t, args.n_heads)
+    if fqn.endswith("attention.wk.weight"):
+        return _to_hf_rows(t, args.kv_heads)
+    if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):  # a head's dims, permuted alike
+        return _to_hf_rows(t[:, None], 1)[:, 0]
+    return t
+
+
+def tensor_from_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
+    if fqn.endswith("attention.wq.weight"):
+        return _from_hf_rows(t, args.n_heads)
+    if fqn.endswith("attention.wk.weight"):
+        return _from_hf_rows(t, args.kv_heads)
+    if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+        return _from_hf_rows(t[:, None], 1)[:, 0]
+    return t
+
+
+def to_hf_state_dict(sd: dict, args) -> dict:
+    return {hf_name(n): tensor_to_hf(n, t, args).contiguous() for n, t in sd.items()
+            if not (args.tie_embeddings and n == "output.weight")}
+
+
 def from_hf_state_dict(sd: dict, args) -> dict:
-    back = [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}").replace("\\.", "."))
-            for src, dst in _NAMES]
     out = {}
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue
-        ours = _rename(name, back)
-        if ours.endswith("attention.wq.weight"):
-            t = _from_hf_rows(t, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            t = _from_hf_rows(t, args.kv_heads)
-        out[ours] = t
+        ours = torchmeg_name(name)
+        out[ours] = tensor_from_hf(ours, t, args)
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out

@@ -1,6 +1,6 @@
 """python -m torchmeg.generate --config RECIPE [--section.key=value ...] --prompt TEXT [--prompt TEXT ...]
        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-       [--num-samples N] [--batch-size B] [--no-cache] [--json]
+       [--num-samples N] [--batch-size B] [--no-cache] [--ignore-eos] [--json]
 
 Samples text from the recipe's trained model: the newest committed checkpoint of its run
 (--checkpoint.load_step=N for another; --checkpoint.folder=DIR for another run's), whatever layout
@@ -50,6 +50,7 @@ def parse(argv: list[str]):
     ap.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     ap.add_argument("--batch-size", type=int, default=0, help="prompts run together (0 = all)")
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (slow)")
+    ap.add_argument("--ignore-eos", action="store_true", help="always max-new-tokens tokens (benchmarks, comparisons)")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt and sample")
     return ap.parse_known_args(argv)
 
@@ -134,7 +135,7 @@ def run(prepared) -> None:
     for sample_index in range(a.num_samples):
         for start in range(0, len(ids), size):
             batch = ids[start:start + size]
-            out = generate(loaded.built.model, batch, a.max_new_tokens, tok.eos_id, sampling, loaded.device,
+            out = generate(loaded.built.model, batch, a.max_new_tokens, -1 if a.ignore_eos else tok.eos_id, sampling, loaded.device,
                            use_cache=not a.no_cache, decode_step=step, sample_index=sample_index)
             if rank == 0:
                 for i, g in enumerate(out):

@@ -10,6 +10,7 @@ from torch import nn
 from torchmeg.config.schema import coerce
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.spec import ModelSpec, get_spec, pad_vocab
+from torchmeg.models.rope import ROPE_TYPES
 
 
 def model_args(cfg, tokenizer_vocab: int | None = None):
@@ -42,12 +43,21 @@ def check_model_args(cfg, spec: ModelSpec, args, tokenizer_vocab: int | None) ->
     for key in ("dim", "n_layers", "n_heads"):
         if getattr(args, key) < 1:
             raise ConfigError(f"model.{key} = {getattr(args, key)}: must be >= 1")
-    if spec.make_args is None and args.dim % args.n_heads:
-        raise ConfigError(f"model.dim = {args.dim}: not divisible by model.n_heads = {args.n_heads}")
+    if spec.make_args is None and args.dim % args.n_heads and not getattr(args, "explicit_head_dim", False):
+        raise ConfigError(f"model.dim = {args.dim}: not divisible by model.n_heads = {args.n_heads}; or set "
+                          f"model.head_dim")
     if args.n_heads % args.kv_heads:
         raise ConfigError(f"model.n_kv_heads = {args.kv_heads}: must divide model.n_heads = {args.n_heads}")
     if hasattr(args, "rope_theta") and args.head_dim % 2:
-        raise ConfigError(f"model.dim / model.n_heads = {args.head_dim}: RoPE needs an even head dim")
+        raise ConfigError(f"model.head_dim = {args.head_dim}: RoPE needs an even head dim")
+    rope = getattr(args, "rope_type", "default")
+    if rope not in ROPE_TYPES:
+        raise ConfigError(f"model.rope_type = {rope!r}: unknown; allowed: {', '.join(ROPE_TYPES)}")
+    if rope != "default" and args.rope_factor < 1:
+        raise ConfigError(f"model.rope_factor = {args.rope_factor}: must be >= 1 with rope_type = {rope!r}")
+    if rope == "llama3" and args.rope_high_freq_factor <= args.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor = {args.rope_high_freq_factor}: must exceed "
+                          f"rope_low_freq_factor = {args.rope_low_freq_factor}")
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size = {args.vocab_size}: smaller than the tokenizer's "
                           f"{tokenizer_vocab} tokens; raise it or use -1 (= tokenizer size)")

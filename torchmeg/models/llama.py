@@ -1,4 +1,5 @@
-"""Llama-3 style decoder: GQA, RoPE (theta), RMSNorm, SwiGLU, optional tied output.
+"""Llama-3 style decoder: GQA, RoPE (theta, with Llama-3.1 or YaRN scaling), RMSNorm, SwiGLU,
+optional tied output; Qwen3's per-head QK norm and a head dim apart from dim / heads.
 
 Architecture only: no parallelism here. Shape legend for names: B batch, L sequence length,
 H query heads, K kv heads, D head dim, E model dim, V vocab.
@@ -16,6 +17,7 @@ from torch import nn
 
 from torchmeg.models.attention import DocumentBatch, document_attention, document_positions, repeat_kv
 from torchmeg.models.init import Constant, Normal
+from torchmeg.models.rope import ROPE_TYPES, apply_rope, rope_tables
 
 
 @dataclass
@@ -32,50 +34,41 @@ class LlamaArgs:
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     init_std: float = 0.02
+    ffn_dim: int = 0                # SwiGLU hidden size as given (a checkpoint's intermediate_size); 0 = from
+                                    # multiple_of and ffn_dim_multiplier (Meta's rule)
+    head_dim: int = 0               # 0 = dim // n_heads; Qwen3 sets it apart (e.g. 128 at dim 1024, 16 heads)
+    qk_norm: bool = False           # Qwen3: RMSNorm over each head's q and k before RoPE
+    # RoPE scaling (transformers' rope_parameters): "default", "llama3" (Llama 3.1/3.2), "yarn"
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0       # llama3
+    rope_high_freq_factor: float = 4.0      # llama3
+    rope_original_max_seq_len: int = 8192   # llama3, yarn: the context the model was pretrained at
+    rope_beta_fast: float = 32.0            # yarn
+    rope_beta_slow: float = 1.0             # yarn
+    rope_mscale: float = 0.0                # yarn (DeepSeek): 0 = not set
+    rope_mscale_all_dim: float = 0.0        # yarn (DeepSeek): 0 = not set
+    rope_attention_factor: float = 0.0      # yarn: 0 = derived from factor (and mscale)
+    rope_truncate: bool = True              # yarn: round the correction range to whole dimensions
+
+    def __post_init__(self):
+        # Whether head_dim was given (then dim need not be n_heads x head_dim), before resolving it.
+        self.explicit_head_dim = self.head_dim > 0
+        if not self.head_dim:
+            self.head_dim = self.dim // max(self.n_heads, 1)
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def ffn_hidden(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.dim / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-
-def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of RoFormer eq. (34): angle(pos, i) = pos * theta^(-2i/D), shape [max_len, D/2]."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim))
-    ang = torch.outer(torch.arange(max_len, dtype=torch.float64, device=device), inv)
-    return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
-               positions_L: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does.
-
-    positions: the absolute position of each of the L tokens (default 0..L-1), e.g. when the
-    sequence is split across devices. Tables of shape [B, L, D/2] are already gathered at every
-    row's own positions (generation: a batch of left-padded prompts, see Llama.forward).
-    """
-    B, L, H, D = x_BLHD.shape
-    if cos_LD.dim() == 3:
-        c, s = cos_LD.view(B, L, 1, D // 2), sin_LD.view(B, L, 1, D // 2)
-    else:
-        if positions_L is not None:
-            cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
-        c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
-    # One complex multiply per pair: the same products and sums as the real form written out
-    # (equal to the bit, checked), 7x faster forward + backward on CPU than four strided real ones.
-    x = torch.view_as_complex(x_BLHD.float().reshape(B, L, H, D // 2, 2))
-    # (torch.complex takes no bf16: the tables go up to fp32 first, exactly, as the real form did)
-    return torch.view_as_real(x * torch.complex(c.float(), s.float())).reshape(B, L, H, D).type_as(x_BLHD)
 
 
 class RMSNorm(nn.Module):
@@ -109,13 +102,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        # Qwen3: one [head_dim] norm shared by every head (under TP each rank holds some heads, so
+        # the weights' gradients are summed over tp: the "head_norm" TP style).
+        self.q_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, a.norm_eps) if a.qk_norm else None
 
     def forward(self, x_BLE: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor | None = None, cache=None, documents=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
-        q_BLHD = apply_rope(self.wq(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
-        k_BLKD = apply_rope(self.wk(x_BLE).view(B, L, -1, self.head_dim), cos, sin, positions)
+        q_BLHD, k_BLKD = self.wq(x_BLE).view(B, L, -1, self.head_dim), self.wk(x_BLE).view(B, L, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_BLHD, k_BLKD = self.q_norm(q_BLHD), self.k_norm(k_BLKD)
+        q_BLHD, k_BLKD = apply_rope(q_BLHD, cos, sin, positions), apply_rope(k_BLKD, cos, sin, positions)
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
         # Generation: attend over this layer's KV cache (torchmeg.models.kv_cache) instead.
@@ -173,7 +172,7 @@ class Llama(nn.Module):
 
     def init_buffers(self) -> None:
         a = self.args
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, device=self.rope_cos.device, a=a)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -249,3 +248,12 @@ DECODER_TP = [
     ("output", "output"),
 ]
 TP_PLAN = [("tok_embeddings", "embedding")] + DECODER_TP
+# Qwen3's per-head norms: replicated over tp, each rank normalises its own heads, and the weights'
+# gradients (partial sums over those heads) are summed over tp.
+QK_NORM_TP = [("layers.*.attention.q_norm", "replicate_grad_allreduce"),
+              ("layers.*.attention.k_norm", "replicate_grad_allreduce")]
+
+
+def plan_with_qk_norm(plan: list):
+    """The family's plan as a callable(model): plus the QK-norm entries where the model has them."""
+    return lambda model: plan + (QK_NORM_TP if getattr(model.args, "qk_norm", False) else [])

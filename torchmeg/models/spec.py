@@ -72,10 +72,10 @@ def _hf_args(cfg, tokenizer_vocab: int | None):
     return args
 
 
-register(ModelSpec("llama", llama.Llama, llama.LlamaArgs, llama.FLAVORS, tp_plan=llama.TP_PLAN))
+register(ModelSpec("llama", llama.Llama, llama.LlamaArgs, llama.FLAVORS, tp_plan=llama.plan_with_qk_norm(llama.TP_PLAN)))
 register(ModelSpec("gpt2", gpt2.GPT2, gpt2.GPT2Args, gpt2.FLAVORS, tp_plan=gpt2.TP_PLAN,
                    pp_first=("tok_embeddings", "pos_embeddings")))
-register(ModelSpec("moe", moe.MoETransformer, moe.MoEArgs, moe.FLAVORS, tp_plan=moe.TP_PLAN))
+register(ModelSpec("moe", moe.MoETransformer, moe.MoEArgs, moe.FLAVORS, tp_plan=llama.plan_with_qk_norm(moe.TP_PLAN)))
 # Any transformers causal LM from its config.json; the TP plan is the model's own
 # base_model_tp_plan, translated when the model is parallelized.
 register(ModelSpec("hf", hf_causal.HFCausalLM, hf_causal.HFArgs, {}, tp_plan=lambda model: model.tp_plan(),

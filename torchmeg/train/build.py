@@ -85,7 +85,7 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
 
     def prepare(part: nn.Module) -> None:
         parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=spec_tp_plan(spec, part),
-                    plan_must_match=callable(spec.tp_plan))  # a plan derived from this very model: all must match
+                    plan_must_match=spec.hf_native)  # a plan read from this very model: all must match
         with storage():
             materialize(part, device, seed, block=local_block)
         if fused and getattr(part, spec.head, None) is not None:

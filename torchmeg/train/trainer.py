@@ -132,6 +132,8 @@ class Trainer:
             self.watchdog.end()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg, self.state.step)
         self.init_note = f"from (seed {cfg.job.seed}, parameter name)"
+        if self.ckpt is not None and self.ckpt.loaded_from and self.state.step == 0:  # e.g. torchmeg.convert's
+            self.init_note = f"from the model-only checkpoint {self.ckpt.loaded_from} (step 0)"
         if self.state.step == 0 and cfg.checkpoint.initial_load_hf:
             self._load_hf_weights(cfg.checkpoint.initial_load_hf)
         self.start_step = self.state.step

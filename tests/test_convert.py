@@ -1,0 +1,146 @@
+"""python -m torchmeg.convert against transformers, the reference: folders transformers writes itself
+(tiny configs built here, random weights, nothing downloaded) are converted to native torchmeg models
+whose logits and greedy tokens equal transformers' — at positions beyond the rope's original range,
+so a scaling computed wrong or dropped shows — and a trained checkpoint goes back to sharded
+safetensors that transformers loads with the same logits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FP32_PARITY, ROOT, TINY, assert_tensor_close, read_metrics, rel_diff, run_cli
+
+ORIGINAL = 16  # the rope's pretraining context in these configs: every test runs past it
+
+CONFIGS = {
+    "llama31": ("LlamaConfig", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})),
+    "llama_yarn": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": ORIGINAL})),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+}
+
+
+def _hf_folder(path, kind: str, **extra):
+    import transformers
+    cls, kw = CONFIGS[kind]
+    config = getattr(transformers, cls)(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                        rms_norm_eps=1e-5, rope_theta=10000.0, **{**kw, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # weights large enough that greedy decoding is not one repeated token
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(str(path))
+    return model
+
+
+def _convert(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "torchmeg.convert", *map(str, args)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def _native(out, overrides=()):
+    import torch.distributed.checkpoint as dcp
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    cfg = load_config(str(out / "recipe.toml"), list(overrides))
+    model = build_model(cfg, 257, "cpu").eval()
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(out / "checkpoint" / "step-00000000"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
+    hf = _hf_folder(tmp_path / "hf", kind)
+    _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out")
+    recipe = (tmp_path / "out" / "recipe.toml").read_text()
+    assert 'name = "llama"' in recipe and ("qk_norm = true" in recipe) == (kind == "qwen3"), recipe
+    x = torch.randint(0, 320, (2, 6 * ORIGINAL), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(x).logits
+        assert_tensor_close(_native(tmp_path / "out")(x), want, FP32_PARITY, f"{kind} logits")
+        if kind != "qwen3":  # the test sees the scaling: plain RoPE gives other logits past the original range
+            plain = _native(tmp_path / "out", ["--model.rope_type=default"])(x)
+            assert (plain - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
+    p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
+                        "--prompt", "def main(argv):", "--prompt", "x", "--max-new-tokens", "48", "--ignore-eos",
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    for r in rows:
+        ids = torch.tensor([r["prompt_tokens"]])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert r["tokens"] == ref[0, ids.shape[1]:].tolist(), (kind, r["prompt"])
+        assert len(r["tokens"]) == 48 and len(set(r["tokens"])) > 4  # not a degenerate repetition
+
+
+@pytest.mark.slow
+def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+    _hf_folder(tmp_path / "hf", "qwen3")
+    _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out")
+    recipe = str(tmp_path / "out" / "recipe.toml")
+    args = ["--config", recipe, "--training.steps=3", "--data.seq_len=32", "--training.local_batch_size=2",
+            "--metrics.log_freq=1", "--validation.enable=false", "--metrics.enable_tensorboard=false"]
+    p = run_cli(args, tmp_path, name="ft")
+    assert "init       from the model-only checkpoint" in p.stdout  # the converted weights, not a fresh init
+    assert len(read_metrics(tmp_path, "ft")) == 3
+    ckpt = tmp_path / "out" / "checkpoint"
+    _convert("to-hf", ckpt, "--config", recipe, "--out", tmp_path / "back", "--max-shard-gb", "0.0001")
+    files = sorted(f for f in os.listdir(tmp_path / "back") if f.endswith(".safetensors"))
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(files) > 2 and set(index["weight_map"].values()) == set(files)  # sharded, every file indexed
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    import torch.distributed.checkpoint as dcp
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    ours = build_model(load_config(recipe, []), 257, "cpu").eval()
+    sd = {"model": ours.state_dict()}
+    dcp.load(sd, checkpoint_id=str(ckpt / "step-00000003"), no_dist=True)
+    ours.load_state_dict(sd["model"])
+    x = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_tensor_close(ours(x), hf(x).logits, FP32_PARITY, "to-hf logits")
+    start = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():  # and it is the trained model, not the converted start
+        assert rel_diff(start(x).logits.abs().sum().item(), hf(x).logits.abs().sum().item()) > 1e-6
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type = 'dynamic'"),
+    ("attention_bias", True, "attention_bias = True"),
+    ("hidden_act", "gelu", "hidden_act = 'gelu'"),
+])
+def test_fields_the_native_family_lacks_are_refused_in_one_line(field, value, named, tmp_path):
+    _hf_folder(tmp_path / "hf", "llama31", **{field: value})
+    p = _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out", check=False)
+    assert p.returncode == 2 and named in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_model_type_without_a_native_family_trains_through_hf(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+    MistralForCausalLM(MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(str(tmp_path / "hf"))
+    _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out")
+    recipe = (tmp_path / "out" / "recipe.toml").read_text()
+    assert 'name = "hf"' in recipe and f'initial_load_hf = "{tmp_path / "hf"}"' in recipe, recipe
+    run_cli(["--config", str(tmp_path / "out" / "recipe.toml"), "--training.steps=2", "--data.seq_len=32",
+             "--training.local_batch_size=2", "--validation.enable=false", "--metrics.enable_tensorboard=false"],
+            tmp_path, name="mistral")
+    assert all(r["loss"] == r["loss"] for r in read_metrics(tmp_path, "mistral"))

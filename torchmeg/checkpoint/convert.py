@@ -1,0 +1,216 @@
+"""python -m torchmeg.convert from-hf FOLDER --out DIR [--family auto|hf] [--dtype float32|bfloat16]
+       python -m torchmeg.convert to-hf CHECKPOINT --config RECIPE --out DIR [--max-shard-gb G] [--section.key=value ...]
+
+from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
+rope scaling and YaRN; qwen3 as llama with QK norm) or else `hf` (transformers' own modules), and
+writes DIR/recipe.toml describing that model (and FOLDER's tokenizer.json, copied) plus, for a
+native family, a model-only checkpoint DIR/checkpoint/step-00000000 that training, generation and
+evaluation start from (`hf` models read FOLDER's safetensors themselves: checkpoint.initial_load_hf).
+Under torchrun each rank converts and writes its own share of the tensors (read one by one from the
+safetensors: no rank holds the model). A config field the native family does not implement is
+refused in one line naming it.
+
+to-hf: a committed checkpoint (any layout saved it) of RECIPE's model -> DIR/model-0000i-of-0000N
+.safetensors + model.safetensors.index.json + config.json, which transformers loads as is. Each
+rank reads and writes only its own files' tensors (torchrun: the files are shared out), so nothing
+is gathered on one rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from torchmeg.checkpoint.folder import MARKER, committed_steps, crc32, step_dir, tmp_dir
+from torchmeg.checkpoint.hf import hf_config, hf_name, tensor_from_hf, tensor_to_hf, torchmeg_name
+from torchmeg.checkpoint.hf_config import native_model_keys
+from torchmeg.config.errors import ConfigError
+from torchmeg.config.schema import load_config
+from torchmeg.data.tokenizer import build_tokenizer
+from torchmeg.models.args import model_args
+from torchmeg.runtime.guard import cli_main
+
+PROG = "torchmeg.convert"
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _hf_files(folder: str) -> dict[str, str]:
+    """HF tensor name -> the safetensors file holding it."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        return {k: os.path.join(folder, f) for k, f in json.load(open(index))["weight_map"].items()}
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        raise ConfigError(f"{folder}: no .safetensors files (and no model.safetensors.index.json)")
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(folder, f), "pt") as fh:
+            out.update({k: os.path.join(folder, f) for k in fh.keys()})
+    return out
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return repr(v)
+    return json.dumps(v) if isinstance(v, str) else str(v)
+
+
+def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str) -> None:
+    lines = [f"# written by python -m {PROG} from-hf {source}", "[model]", f'name = "{name}"']
+    if name != "hf":
+        lines.append('flavor = "debug"  # every field of the model is set below')
+    lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
+    lines += ["", "[data]", f"tokenizer = {_toml_value(tokenizer)}", "", "[checkpoint]", "enable = true"]
+    if checkpoint:
+        lines.append(f"folder = {_toml_value(checkpoint)}")
+    else:
+        lines.append(f"initial_load_hf = {_toml_value(source)}")
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+def from_hf(a) -> None:
+    src, out = os.path.abspath(a.source), os.path.abspath(a.out)
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"{src}: no config.json (a Hugging Face model folder holds config.json + *.safetensors)")
+    config = json.load(open(cfg_path))
+    native = native_model_keys(config) if a.family == "auto" else None
+    rank, world = _rank_world()
+    os.makedirs(out, exist_ok=True)
+    tok = os.path.join(src, "tokenizer.json")
+    tokenizer = os.path.join(out, "tokenizer.json") if os.path.isfile(tok) else "byte"
+    if native is None:  # transformers' own modules read the folder themselves
+        if rank == 0:
+            if os.path.isfile(tok):
+                shutil.copy(tok, tokenizer)
+            write_recipe(os.path.join(out, "recipe.toml"), "hf", {"hf_config": src}, tokenizer, None, src)
+            print(f"{config.get('model_type')}: no native family; wrote {out}/recipe.toml (model.name = \"hf\")")
+        return
+    name, keys = native
+    cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
+    args = model_args(cfg, None)
+    files = _hf_files(src)
+    ours = {torchmeg_name(h): h for h in files if "rotary_emb" not in h}
+    if args.tie_embeddings:  # one tensor in the folder, two names in the model
+        ours.pop("output.weight", None)
+    ckpt = os.path.join(out, "checkpoint")
+    tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)
+    dtype = getattr(torch, a.dtype)
+    state = {}
+    for fqn in sorted(ours)[rank::world]:  # one tensor at a time, straight from its file
+        with safe_open(files[ours[fqn]], "pt") as fh:
+            state[fqn] = tensor_from_hf(fqn, fh.get_tensor(ours[fqn]), args).to(dtype).contiguous()
+        if fqn == "tok_embeddings.weight" and args.tie_embeddings:
+            state["output.weight"] = state[fqn]
+    os.makedirs(tmp, exist_ok=True)
+    if world > 1:
+        import torch.distributed as dist  # lazy: only a torchrun conversion has a process group
+        dist.init_process_group("gloo")
+        dcp.save({"model": state}, checkpoint_id=tmp)
+        dist.barrier()
+    else:
+        dcp.save({"model": state}, checkpoint_id=tmp, no_dist=True)
+    if rank == 0:
+        if os.path.isfile(tok):
+            shutil.copy(tok, tokenizer)
+        files_crc = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))] for n in os.listdir(tmp)}
+        meta = {"step": 0, "model_only": True, "model": f"{name}/converted", "source": src, "files": files_crc,
+                "layout": f"converted by {PROG} ({world} process{'es' if world > 1 else ''})",
+                "tokenizer": build_tokenizer(tokenizer).fingerprint() if tokenizer != "byte" else ""}
+        with open(os.path.join(tmp, MARKER), "w") as fh:
+            json.dump(meta, fh)
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_recipe(os.path.join(out, "recipe.toml"), name, keys, tokenizer, ckpt, src)
+        print(f"{config.get('model_type')} -> native {name}: wrote {final} and {out}/recipe.toml")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def to_hf(a, overrides: list[str]) -> None:
+    cfg = load_config(a.config, overrides)
+    if cfg.model.name != "llama":
+        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama family (Llama, Qwen3); "
+                          f"`hf` models export as they are with checkpoint.export_hf")
+    args = model_args(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
+    path = os.path.abspath(a.source)
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        steps = committed_steps(path)
+        if not steps:
+            raise ConfigError(f"{path}: not a committed checkpoint (no {MARKER}) nor a folder of them")
+        path = step_dir(path, steps[-1])
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model."))
+    if args.tie_embeddings:
+        fqns = [f for f in fqns if f != "output.weight"]
+    # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
+    limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
+    for f in fqns:
+        n = meta[f"model.{f}"].size.numel() * torch.finfo(getattr(torch, a.dtype)).bits // 8
+        if files[-1] and size + n > limit:
+            files.append([])
+            size = 0
+        files[-1].append(f)
+        size += n
+    rank, world = _rank_world()
+    out, count = os.path.abspath(a.out), len(files)
+    os.makedirs(out, exist_ok=True)
+    names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    weight_map = {}
+    for i, group in enumerate(files):
+        sd = {f: torch.empty(tuple(meta[f"model.{f}"].size), dtype=meta[f"model.{f}"].properties.dtype) for f in group}
+        weight_map.update({hf_name(f): names[i] for f in group})
+        if i % world != rank:
+            continue
+        dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
+        tensors = {hf_name(f): tensor_to_hf(f, t, args).to(getattr(torch, a.dtype)).contiguous() for f, t in sd.items()}
+        save_file(tensors, os.path.join(out, names[i] + ".tmp"), metadata={"format": "pt"})
+        os.replace(os.path.join(out, names[i] + ".tmp"), os.path.join(out, names[i]))
+    if rank == 0:
+        total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(getattr(torch, a.dtype)).bits // 8
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=1)
+        config = hf_config(args)
+        config["torch_dtype"] = a.dtype
+        with open(os.path.join(out, "config.json"), "w") as fh:
+            json.dump(config, fh, indent=1)
+        print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("direction", choices=["from-hf", "to-hf"])
+    ap.add_argument("source")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--config", default=None, help="to-hf: the recipe the checkpoint was trained with")
+    ap.add_argument("--family", default="auto", choices=["auto", "hf"], help="from-hf: hf = transformers' modules")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: size of each safetensors file")
+    a, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+    def prepare():
+        if a.direction == "to-hf" and not a.config:
+            raise ConfigError("to-hf needs --config RECIPE (the recipe the checkpoint was trained with)")
+        if not os.path.exists(a.source):
+            raise ConfigError(f"{a.source}: no such folder")
+        return a
+
+    def run(_):
+        from_hf(a) if a.direction == "from-hf" else to_hf(a, overrides)
+    return cli_main(PROG, prepare, run)

@@ -1,0 +1,70 @@
+"""A Hugging Face config.json read as a torchmeg model: which native family implements it, and that
+family's [model] keys. A field the native family does not implement is refused in one line naming
+it (never dropped silently); a model type no native family covers is trained through `hf`
+(transformers' own modules, torchmeg.models.hf_causal).
+"""
+from __future__ import annotations
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.models.rope import ROPE_TYPES
+
+# model_type -> (torchmeg model name, QK norm)
+NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True)}
+
+
+def rope_parameters(config: dict) -> dict:
+    """theta and scaling from either spelling transformers has used (rope_scaling + rope_theta, or
+    transformers 5's rope_parameters)."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    params.update({k: v for k, v in legacy.items() if k not in params})
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    return params
+
+
+def _refuse(field: str, value, why: str) -> ConfigError:
+    return ConfigError(f"config.json: {field} = {value!r}: {why}; torchmeg's native model would compute "
+                       f"something else, so it refuses (use --family hf to train transformers' own module)")
+
+
+def native_model_keys(config: dict) -> tuple[str, dict] | None:
+    """(torchmeg model name, [model] keys) for a config a native family implements, else None."""
+    kind = config.get("model_type")
+    if kind not in NATIVE:
+        return None
+    name, qk_norm = NATIVE[kind]
+    for field, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(field, ok) != ok:
+            raise _refuse(field, config[field], f"the native {name} has {field} = {ok!r} only")
+    if config.get("pretraining_tp", 1) != 1:
+        raise _refuse("pretraining_tp", config["pretraining_tp"], "only 1 is implemented")
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
+        raise _refuse("use_sliding_window / layer_types", config.get("layer_types"), "sliding-window layers are not implemented")
+    rope = rope_parameters(config)
+    kind = rope.get("rope_type", "default") or "default"
+    if kind not in ROPE_TYPES:
+        raise _refuse("rope_parameters.rope_type", kind, f"implemented: {', '.join(ROPE_TYPES)}")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse("partial_rotary_factor", rope["partial_rotary_factor"], "only whole-head RoPE is implemented")
+    heads = config["num_attention_heads"]
+    keys = {"dim": config["hidden_size"], "n_layers": config["num_hidden_layers"], "n_heads": heads,
+            "n_kv_heads": config.get("num_key_value_heads") or heads, "vocab_size": config["vocab_size"],
+            "ffn_dim": config["intermediate_size"], "norm_eps": config.get("rms_norm_eps", 1e-6),
+            "rope_theta": float(rope["rope_theta"]), "max_seq_len": config.get("max_position_embeddings", 2048),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+            "head_dim": config.get("head_dim") or config["hidden_size"] // heads, "qk_norm": qk_norm,
+            "rope_type": kind}
+    if kind != "default":
+        keys.update(rope_factor=float(rope.get("factor") or 1.0),
+                    rope_original_max_seq_len=int(rope.get("original_max_position_embeddings") or keys["max_seq_len"]))
+    if kind == "llama3":
+        keys.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if kind == "yarn":
+        keys.update(rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
+                    rope_mscale=float(rope.get("mscale") or 0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+                    rope_attention_factor=float(rope.get("attention_factor") or 0),
+                    rope_truncate=bool(rope.get("truncate", True)))
+    return name, keys
