@@ -197,3 +197,5 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is not None and _uses_rule(fn, item.module):
             item.add_marker(pytest.mark.parity)
+        if fn is not None and ("compile" in item.originalname or "--compile.enable=true" in inspect.getsource(fn)):
+            item.add_marker(pytest.mark.compile)

@@ -144,3 +144,26 @@ def test_a_model_type_without_a_native_family_trains_through_hf(tmp_path):
              "--training.local_batch_size=2", "--validation.enable=false", "--metrics.enable_tensorboard=false"],
             tmp_path, name="mistral")
     assert all(r["loss"] == r["loss"] for r in read_metrics(tmp_path, "mistral"))
+
+
+@pytest.mark.slow
+def test_from_hf_under_torchrun_shares_the_tensors_out(tmp_path):
+    """Two ranks convert, each its share of the tensors into its own file: the checkpoint holds the
+    same tensors as a one-process conversion, and every rank wrote a part of it."""
+    import torch.distributed.checkpoint as dcp
+    from conftest import _launch_ranks
+    _hf_folder(tmp_path / "hf", "qwen3")
+    _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "one")
+    p = _launch_ranks([sys.executable, "-m", "torchmeg.convert", "from-hf", str(tmp_path / "hf"), "--out",
+                       str(tmp_path / "two")], 2, dict(os.environ), 120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    two, one = (tmp_path / d / "checkpoint" / "step-00000000" for d in ("two", "one"))
+    assert sorted(f for f in os.listdir(two) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    meta = dcp.FileSystemReader(str(one)).read_metadata().state_dict_metadata
+    assert set(meta) == set(dcp.FileSystemReader(str(two)).read_metadata().state_dict_metadata)
+    for path in (one, two):
+        sd = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.items()}
+        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+        if path == one:
+            first = sd
+    assert all(torch.equal(first[k], sd[k]) for k in meta)

@@ -122,9 +122,9 @@ def _prompt_args():
 
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory):
-    """The default recipe (validation, checkpoints on), 60 steps, exported to HF at the end."""
+    """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end."""
     d = tmp_path_factory.mktemp("debug_run")
-    run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=60", "--checkpoint.interval=60",
+    run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
              "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug", timeout=240)
     return d
 
@@ -160,7 +160,8 @@ def test_greedy_equals_transformers_generate(debug_run):
 
 @pytest.mark.slow
 def test_hf_recipe_greedy_equals_transformers_generate(tmp_path):
-    run_cli(["--config", "recipes/hf_llama_debug.toml", "--training.steps=30", "--checkpoint.interval=30",
+    run_cli(["--config", "recipes/hf_llama_debug.toml", "--training.steps=15", "--checkpoint.interval=15",
+             "--data.seq_len=128",
              "--metrics.enable_tensorboard=false", "--validation.enable=false"], tmp_path, name="hf", timeout=240)
     _, rows = _generate(["--config", "recipes/hf_llama_debug.toml", f"--job.dump_folder={tmp_path}", "--job.name=hf",
                          "--max-new-tokens", "32"] + _prompt_args())
@@ -218,7 +219,7 @@ def test_eval_reproduces_the_logged_val_loss(debug_run):
     p = subprocess.run(base + ["--steps", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     one = json.loads(p.stdout.splitlines()[-1])
-    assert one["loss"] == logged["val_loss"] and one["step"] == 60 and one["windows"] == 32
+    assert one["loss"] == logged["val_loss"] and one["step"] == 30 and one["windows"] == 32
     p = _launch_ranks(base + ["--steps", "4", "--parallelism.tensor_parallel_degree=2"], 2, dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     tp = json.loads(p.stdout.splitlines()[-1])

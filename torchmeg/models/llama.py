@@ -111,10 +111,8 @@ class Attention(nn.Module):
                 positions: torch.Tensor | None = None, cache=None, documents=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
-        q_BLHD, k_BLKD = self.wq(x_BLE).view(B, L, -1, self.head_dim), self.wk(x_BLE).view(B, L, -1, self.head_dim)
-        if self.q_norm is not None:
-            q_BLHD, k_BLKD = self.q_norm(q_BLHD), self.k_norm(k_BLKD)
-        q_BLHD, k_BLKD = apply_rope(q_BLHD, cos, sin, positions), apply_rope(k_BLKD, cos, sin, positions)
+        q_BLHD = apply_rope(self._norm(self.q_norm, self.wq(x_BLE).view(B, L, -1, self.head_dim)), cos, sin, positions)
+        k_BLKD = apply_rope(self._norm(self.k_norm, self.wk(x_BLE).view(B, L, -1, self.head_dim)), cos, sin, positions)
         v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
         # Generation: attend over this layer's KV cache (torchmeg.models.kv_cache) instead.
@@ -123,6 +121,11 @@ class Attention(nn.Module):
         else:
             o_BHLD = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
+
+
+    @staticmethod
+    def _norm(norm, x):
+        return x if norm is None else norm(x)
 
 
 class FeedForward(nn.Module):
