@@ -23,7 +23,10 @@ CONFIGS = {
     "llama_yarn": ("LlamaConfig", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                      "original_max_position_embeddings": ORIGINAL})),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=True)),
 }
+FAMILY = {"llama31": "llama", "llama_yarn": "llama", "qwen3": "llama", "qwen3_moe": "moe"}
 
 
 def _hf_folder(path, kind: str, **extra):
@@ -67,12 +70,12 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
     hf = _hf_folder(tmp_path / "hf", kind)
     _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out")
     recipe = (tmp_path / "out" / "recipe.toml").read_text()
-    assert 'name = "llama"' in recipe and ("qk_norm = true" in recipe) == (kind == "qwen3"), recipe
+    assert f'name = "{FAMILY[kind]}"' in recipe and ("qk_norm = true" in recipe) == kind.startswith("qwen3"), recipe
     x = torch.randint(0, 320, (2, 6 * ORIGINAL), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = hf(x).logits
         assert_tensor_close(_native(tmp_path / "out")(x), want, FP32_PARITY, f"{kind} logits")
-        if kind != "qwen3":  # the test sees the scaling: plain RoPE gives other logits past the original range
+        if not kind.startswith("qwen3"):  # the test sees the scaling: plain RoPE gives other logits past the original range
             plain = _native(tmp_path / "out", ["--model.rope_type=default"])(x)
             assert (plain - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
     p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
@@ -89,9 +92,10 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
 
 
 @pytest.mark.slow
-def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(tmp_path):
+@pytest.mark.parametrize("kind, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
+def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(kind, cls, tmp_path):
     from transformers import AutoModelForCausalLM
-    _hf_folder(tmp_path / "hf", "qwen3")
+    _hf_folder(tmp_path / "hf", kind)
     _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out")
     recipe = str(tmp_path / "out" / "recipe.toml")
     args = ["--config", recipe, "--training.steps=3", "--data.seq_len=32", "--training.local_batch_size=2",
@@ -105,7 +109,7 @@ def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(tmp_path):
     index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
     assert len(files) > 2 and set(index["weight_map"].values()) == set(files)  # sharded, every file indexed
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert type(hf).__name__ == cls
     import torch.distributed.checkpoint as dcp
     from torchmeg.config.schema import load_config
     from torchmeg.models import build_model

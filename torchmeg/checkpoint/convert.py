@@ -2,7 +2,8 @@
        python -m torchmeg.convert to-hf CHECKPOINT --config RECIPE --out DIR [--max-shard-gb G] [--section.key=value ...]
 
 from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
-rope scaling and YaRN; qwen3 as llama with QK norm) or else `hf` (transformers' own modules), and
+rope scaling and YaRN; qwen3 as llama with QK norm; qwen3_moe as moe) or else `hf` (transformers' own
+modules), and
 writes DIR/recipe.toml describing that model (and FOLDER's tokenizer.json, copied) plus, for a
 native family, a model-only checkpoint DIR/checkpoint/step-00000000 that training, generation and
 evaluation start from (`hf` models read FOLDER's safetensors themselves: checkpoint.initial_load_hf).
@@ -29,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from torchmeg.checkpoint.folder import MARKER, committed_steps, crc32, step_dir, tmp_dir
-from torchmeg.checkpoint.hf import hf_config, hf_name, tensor_from_hf, tensor_to_hf, torchmeg_name
+from torchmeg.checkpoint.hf import from_hf_state_dict, hf_config, hf_names, to_hf_state_dict, torchmeg_fqn
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
@@ -103,18 +104,23 @@ def from_hf(a) -> None:
     cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
     args = model_args(cfg, None)
     files = _hf_files(src)
-    ours = {torchmeg_name(h): h for h in files if "rotary_emb" not in h}
-    if args.tie_embeddings:  # one tensor in the folder, two names in the model
-        ours.pop("output.weight", None)
+    targets = sorted({torchmeg_fqn(h) for h in files
+                      if "rotary_emb" not in h and not (args.tie_embeddings and h == "lm_head.weight")})
+    hf_config(args) if hasattr(args, "n_experts") else None  # (a moe outside Qwen3-MoE's shape: refused now)
     ckpt = os.path.join(out, "checkpoint")
     tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)
     dtype = getattr(torch, a.dtype)
     state = {}
-    for fqn in sorted(ours)[rank::world]:  # one tensor at a time, straight from its file
-        with safe_open(files[ours[fqn]], "pt") as fh:
-            state[fqn] = tensor_from_hf(fqn, fh.get_tensor(ours[fqn]), args).to(dtype).contiguous()
-        if fqn == "tok_embeddings.weight" and args.tie_embeddings:
+    for fqn in targets[rank::world]:  # one torchmeg tensor at a time, from its HF tensor(s) in their files
+        parts = {}
+        for h in hf_names(fqn, args):
+            with safe_open(files[h], "pt") as fh:
+                parts[h] = fh.get_tensor(h)
+        state[fqn] = from_hf_state_dict(parts, args, tie=False)[fqn].to(dtype).contiguous()
+        if fqn == "tok_embeddings.weight" and args.tie_embeddings:  # one tensor in the folder, two names here
             state["output.weight"] = state[fqn]
+    if rank == 0 and hasattr(args, "n_experts"):  # the selection bias of aux-loss-free balancing starts at 0
+        state.update({f"layers.{i}.moe.expert_bias": torch.zeros(args.n_experts) for i in range(args.n_layers)})
     os.makedirs(tmp, exist_ok=True)
     if world > 1:
         import torch.distributed as dist  # lazy: only a torchrun conversion has a process group
@@ -144,9 +150,9 @@ def from_hf(a) -> None:
 
 def to_hf(a, overrides: list[str]) -> None:
     cfg = load_config(a.config, overrides)
-    if cfg.model.name != "llama":
-        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama family (Llama, Qwen3); "
-                          f"`hf` models export as they are with checkpoint.export_hf")
+    if cfg.model.name not in ("llama", "moe"):
+        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama and moe families "
+                          f"(Llama, Qwen3, Qwen3-MoE); `hf` models export as they are with checkpoint.export_hf")
     args = model_args(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
     path = os.path.abspath(a.source)
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -154,8 +160,9 @@ def to_hf(a, overrides: list[str]) -> None:
         if not steps:
             raise ConfigError(f"{path}: not a committed checkpoint (no {MARKER}) nor a folder of them")
         path = step_dir(path, steps[-1])
+    config = hf_config(args)  # (refuses a model transformers has no class for, before any work)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model."))
+    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model.") and not k.endswith("expert_bias"))
     if args.tie_embeddings:
         fqns = [f for f in fqns if f != "output.weight"]
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
@@ -174,18 +181,17 @@ def to_hf(a, overrides: list[str]) -> None:
     weight_map = {}
     for i, group in enumerate(files):
         sd = {f: torch.empty(tuple(meta[f"model.{f}"].size), dtype=meta[f"model.{f}"].properties.dtype) for f in group}
-        weight_map.update({hf_name(f): names[i] for f in group})
+        weight_map.update({h: names[i] for f in group for h in hf_names(f, args)})
         if i % world != rank:
             continue
         dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
-        tensors = {hf_name(f): tensor_to_hf(f, t, args).to(getattr(torch, a.dtype)).contiguous() for f, t in sd.items()}
+        tensors = {h: t.to(getattr(torch, a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
         save_file(tensors, os.path.join(out, names[i] + ".tmp"), metadata={"format": "pt"})
         os.replace(os.path.join(out, names[i] + ".tmp"), os.path.join(out, names[i]))
     if rank == 0:
         total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(getattr(torch, a.dtype)).bits // 8
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=1)
-        config = hf_config(args)
         config["torch_dtype"] = a.dtype
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)

@@ -32,6 +32,7 @@ _NAMES = [  # torchmeg pattern -> HF pattern
     (r"layers\.(\d+)\.feed_forward\.w3\.weight", "model.layers.{}.mlp.up_proj.weight"),
     (r"layers\.(\d+)\.attention_norm\.weight", "model.layers.{}.input_layernorm.weight"),
     (r"layers\.(\d+)\.ffn_norm\.weight", "model.layers.{}.post_attention_layernorm.weight"),
+    (r"layers\.(\d+)\.moe\.router\.weight", "model.layers.{}.mlp.gate.weight"),
     (r"norm\.weight", "model.norm.weight"),
     (r"output\.weight", "lm_head.weight"),
 ]
@@ -56,9 +57,12 @@ def _from_hf_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def hf_config(args) -> dict:
-    """transformers' config.json for a native llama-family model: LlamaForCausalLM, or
-    Qwen3ForCausalLM where the heads are QK-normed; the rope scaling as transformers names it."""
+    """transformers' config.json for a native model: LlamaForCausalLM, Qwen3ForCausalLM where the
+    heads are QK-normed, Qwen3MoeForCausalLM for a moe of Qwen3-MoE's shape; the rope scaling as
+    transformers names it."""
     qwen3 = getattr(args, "qk_norm", False)
+    if hasattr(args, "n_experts"):
+        return _qwen3_moe_config(args)
     cfg = {
         "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
         "model_type": "qwen3" if qwen3 else "llama", "vocab_size": args.vocab_size,
@@ -70,6 +74,28 @@ def hf_config(args) -> dict:
     }
     if not qwen3:
         cfg["mlp_bias"] = False
+    scaling = rope_scaling_config(args)
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def _qwen3_moe_config(args) -> dict:
+    """A torchmeg moe in Qwen3-MoE's shape (softmax router, no shared experts, every layer routed,
+    QK norm); any other routing has no transformers class to load it: refused naming the key."""
+    for key, ok in (("qk_norm", True), ("score_func", "softmax"), ("n_shared_experts", 0), ("n_dense_layers", 0)):
+        if getattr(args, key) != ok:
+            raise ConfigError(f"model.{key} = {getattr(args, key)!r}: Hugging Face export of a moe model writes "
+                              f"Qwen3MoeForCausalLM, which needs {key} = {ok!r}")
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": args.vocab_size,
+           "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "moe_intermediate_size": args.moe_hidden,
+           "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+           "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "rms_norm_eps": args.norm_eps,
+           "rope_theta": args.rope_theta, "max_position_embeddings": args.max_seq_len,
+           "tie_word_embeddings": args.tie_embeddings, "attention_bias": False, "hidden_act": "silu",
+           "num_experts": args.n_experts, "num_experts_per_tok": args.top_k, "norm_topk_prob": args.route_norm,
+           "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "router_aux_loss_coef": args.aux_loss_coef if args.balance == "aux_loss" else 0.0, "torch_dtype": "float32"}
     scaling = rope_scaling_config(args)
     if scaling:
         cfg["rope_scaling"] = scaling
@@ -98,11 +124,26 @@ _BACK = [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}")
          for src, dst in _NAMES]
 
 
-def hf_name(fqn: str) -> str:
-    return _rename(fqn, _NAMES)
+# Routed experts: torchmeg's grouped [E, D, H] w1 / w3 and [E, H, D] w2 are, in a checkpoint of
+# transformers (Qwen3-MoE; the Hub's own files), E tensors each: experts.{e}.gate_proj / up_proj
+# [H, D] and down_proj [D, H].
+_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def torchmeg_name(hf: str) -> str:
+def hf_names(fqn: str, args) -> list[str]:
+    """The transformers tensors torchmeg tensor `fqn` is made of (E for grouped experts, else 1)."""
+    m = _EXPERTS.fullmatch(fqn)
+    if m:
+        return [f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight" for e in range(args.n_experts)]
+    return [_rename(fqn, _NAMES)]
+
+
+def torchmeg_fqn(hf: str) -> str:
+    m = _HF_EXPERT.fullmatch(hf)
+    if m:
+        return f"layers.{m[1]}.moe.experts.{ {v: k for k, v in _PROJ.items()}[m[3]]}"
     return _rename(hf, _BACK)
 
 
@@ -128,18 +169,33 @@ def tensor_from_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
 
 
 def to_hf_state_dict(sd: dict, args) -> dict:
-    return {hf_name(n): tensor_to_hf(n, t, args).contiguous() for n, t in sd.items()
-            if not (args.tie_embeddings and n == "output.weight")}
-
-
-def from_hf_state_dict(sd: dict, args) -> dict:
+    """torchmeg tensors -> transformers' (grouped experts: one tensor per expert)."""
     out = {}
+    for n, t in sd.items():
+        if args.tie_embeddings and n == "output.weight":
+            continue
+        names = hf_names(n, args)
+        if _EXPERTS.fullmatch(n):
+            out.update({h: t[e].t().contiguous() for e, h in enumerate(names)})
+        else:
+            out[names[0]] = tensor_to_hf(n, t, args).contiguous()
+    return out
+
+
+def from_hf_state_dict(sd: dict, args, tie: bool = True) -> dict:
+    """transformers tensors -> torchmeg's; a grouped expert tensor needs all E of its sources in `sd`."""
+    out, experts = {}, {}
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue
-        ours = torchmeg_name(name)
-        out[ours] = tensor_from_hf(ours, t, args)
-    if args.tie_embeddings:
+        fqn = torchmeg_fqn(name)
+        if _EXPERTS.fullmatch(fqn):
+            experts.setdefault(fqn, {})[name] = t
+        else:
+            out[fqn] = tensor_from_hf(fqn, t, args)
+    for fqn, parts in experts.items():
+        out[fqn] = torch.stack([parts[h].t() for h in hf_names(fqn, args)]).contiguous()
+    if tie and args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
 

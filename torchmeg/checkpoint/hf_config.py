@@ -9,7 +9,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.models.rope import ROPE_TYPES
 
 # model_type -> (torchmeg model name, QK norm)
-NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True)}
+NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True), "qwen3_moe": ("moe", True)}
 
 
 def rope_parameters(config: dict) -> dict:
@@ -27,6 +27,19 @@ def rope_parameters(config: dict) -> dict:
 def _refuse(field: str, value, why: str) -> ConfigError:
     return ConfigError(f"config.json: {field} = {value!r}: {why}; torchmeg's native model would compute "
                        f"something else, so it refuses (use --family hf to train transformers' own module)")
+
+
+def _qwen3_moe_keys(config: dict) -> dict:
+    """Qwen3-MoE's sparse block as torchmeg's moe: softmax router over num_experts, top-k, optionally
+    renormalised; no shared experts; every layer routed (other layouts are refused by name)."""
+    if config.get("mlp_only_layers"):
+        raise _refuse("mlp_only_layers", config["mlp_only_layers"], "dense layers among routed ones are not implemented")
+    if config.get("decoder_sparse_step", 1) != 1:
+        raise _refuse("decoder_sparse_step", config["decoder_sparse_step"], "only every layer routed (1) is implemented")
+    return {"n_experts": config.get("num_experts") or config["num_local_experts"], "top_k": config["num_experts_per_tok"],
+            "moe_hidden": config["moe_intermediate_size"], "n_shared_experts": 0, "score_func": "softmax",
+            "route_norm": bool(config.get("norm_topk_prob", False)), "balance": "aux_loss",
+            "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)), "n_dense_layers": 0}
 
 
 def native_model_keys(config: dict) -> tuple[str, dict] | None:
@@ -62,6 +75,8 @@ def native_model_keys(config: dict) -> tuple[str, dict] | None:
     if kind == "llama3":
         keys.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
                     rope_high_freq_factor=float(rope["high_freq_factor"]))
+    if name == "moe":
+        keys.update(_qwen3_moe_keys(config))
     if kind == "yarn":
         keys.update(rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
                     rope_mscale=float(rope.get("mscale") or 0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
