@@ -218,17 +218,22 @@ class Llama(nn.Module):
 # ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------
 
 _LLAMA3_VOCAB = 128256
+# Llama 3.1 (8B, 70B, 405B) and 3.2 (1B) extend an 8k pretraining context to 128k with "llama3" RoPE
+# scaling (their config.json's rope_scaling).
+_LLAMA31_ROPE = dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                     rope_original_max_seq_len=8192)
 FLAVORS = {
     "debug": dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, multiple_of=64, rope_theta=10000.0,
                   max_seq_len=2048),
     "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
-               vocab_size=_LLAMA3_VOCAB, tie_embeddings=True, max_seq_len=131072),
+               vocab_size=_LLAMA3_VOCAB, tie_embeddings=True, max_seq_len=131072,
+               **dict(_LLAMA31_ROPE, rope_factor=32.0)),
     "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
-               vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+               vocab_size=_LLAMA3_VOCAB, max_seq_len=131072, **_LLAMA31_ROPE),
     "70B": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
-                vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+                vocab_size=_LLAMA3_VOCAB, max_seq_len=131072, **_LLAMA31_ROPE),
     "405B": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
-                 vocab_size=_LLAMA3_VOCAB, max_seq_len=131072),
+                 vocab_size=_LLAMA3_VOCAB, max_seq_len=131072, **_LLAMA31_ROPE),
 }
 
 # Shared shape of the decoder plans (GPT-2 and MoE reuse it): vocab-sharded embedding,
