@@ -38,7 +38,7 @@ BIG = 4 * 65536  # elements: far more than init's chunk temporaries (64 Ki)
 def main():
     world, rank = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    from torchmeg.models import canonical_fqn, get_spec
+    from torchmeg.models import canonical_fqn, get_spec, spec_tp_plan
     from torchmeg.parallel import pipeline as pl
     for model_name, tp, pp, legacy in (("llama", 1, 1, False), ("llama", 2, 1, False), ("llama", 2, 2, False),
                                        ("gpt2", 2, 1, False), ("moe", 2, 1, False), ("llama", 2, 1, True)):
@@ -64,7 +64,8 @@ def main():
             parts = pl.split_model(model, get_spec(model_name), counts, ids)
         same, big, made = True, set(), set()
         for part in parts:
-            parallelize(part, dims, cfg, mesh=mesh, tp_plan=get_spec(model_name).tp_plan, plan_must_match=False)
+            parallelize(part, dims, cfg, mesh=mesh, tp_plan=spec_tp_plan(get_spec(model_name), part),
+                        plan_must_match=False)
             with Created() as created:
                 materialize(part, "cpu", seed=7, block=local_block)
             made |= created.shapes

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from torchmeg.config.schema import Config
-    from torchmeg.models import build_model, canonical_fqn, get_spec, materialize, param_seed
+    from torchmeg.models import build_model, canonical_fqn, get_spec, materialize, param_seed, spec_tp_plan
     from torchmeg.models.init import fill_block_
     from torchmeg.parallel import ParallelDims
     from torchmeg.parallel.parallelize import parallelize
@@ -46,8 +46,9 @@ def main(argv=None) -> int:
     cfg.parallelism.tensor_parallel_degree, cfg.parallelism.data_parallel_shard_degree = a.tp, -1
     cfg.training.mixed_precision = "bf16"
     dims = ParallelDims.from_config(cfg, a.world)
-    model = parallelize(build_model(cfg, 128256, "meta"), dims, cfg, mesh=dims.build_mesh("cpu"),
-                        tp_plan=get_spec("llama").tp_plan, plan_must_match=False)
+    model = build_model(cfg, 128256, "meta")
+    model = parallelize(model, dims, cfg, mesh=dims.build_mesh("cpu"),
+                        tp_plan=spec_tp_plan(get_spec("llama"), model), plan_must_match=False)
     full = sum(p.numel() for p in model.parameters())
     t0, c0 = time.perf_counter(), time.process_time()
     materialize(model, "cpu", seed=0, block=local_block)
