@@ -27,10 +27,10 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from torchmeg.checkpoint.folder import MARKER, committed_steps, crc32, step_dir, tmp_dir
-from torchmeg.checkpoint.hf import from_hf_state_dict, hf_config, hf_names, to_hf_state_dict, torchmeg_fqn
+from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, file_records, step_dir, tmp_dir
+from torchmeg.checkpoint.hf import (from_hf_state_dict, hf_config, hf_names, to_hf_state_dict, torchmeg_fqn,
+                                    write_safetensors)
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
@@ -132,15 +132,10 @@ def from_hf(a) -> None:
     if rank == 0:
         if os.path.isfile(tok):
             shutil.copy(tok, tokenizer)
-        files_crc = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))] for n in os.listdir(tmp)}
-        meta = {"step": 0, "model_only": True, "model": f"{name}/converted", "source": src, "files": files_crc,
+        meta = {"step": 0, "model_only": True, "model": f"{name}/converted", "source": src,
                 "layout": f"converted by {PROG} ({world} process{'es' if world > 1 else ''})",
                 "tokenizer": build_tokenizer(tokenizer).fingerprint() if tokenizer != "byte" else ""}
-        with open(os.path.join(tmp, MARKER), "w") as fh:
-            json.dump(meta, fh)
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        commit_folder(tmp, final, meta, file_records(tmp, os.listdir(tmp)))
         write_recipe(os.path.join(out, "recipe.toml"), name, keys, tokenizer, ckpt, src)
         print(f"{config.get('model_type')} -> native {name}: wrote {final} and {out}/recipe.toml")
     if world > 1:
@@ -186,8 +181,7 @@ def to_hf(a, overrides: list[str]) -> None:
             continue
         dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
         tensors = {h: t.to(getattr(torch, a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
-        save_file(tensors, os.path.join(out, names[i] + ".tmp"), metadata={"format": "pt"})
-        os.replace(os.path.join(out, names[i] + ".tmp"), os.path.join(out, names[i]))
+        write_safetensors(tensors, out, names[i])
     if rank == 0:
         total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(getattr(torch, a.dtype)).bits // 8
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:

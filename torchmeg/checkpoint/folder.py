@@ -9,8 +9,10 @@ torchmeg.json (MARKER) is written last, by rank 0, and records every file's size
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import zlib
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -66,6 +68,33 @@ def crc32(path: str) -> int:
         while chunk := fh.read(1 << 23):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def file_records(folder: str, names) -> dict:
+    """{name: [size, CRC32]} of these files of `folder`: what torchmeg.json records and verify_files checks."""
+    return {n: [os.path.getsize(os.path.join(folder, n)), crc32(os.path.join(folder, n))] for n in names}
+
+
+def write_json(path: str, obj: dict) -> None:
+    """Written and fsynced: a marker must be on disk before the rename that publishes it."""
+    with open(path, "w") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def commit_folder(tmp: str, final: str, meta: dict, files: dict | None) -> None:
+    """One process: torchmeg.json (meta + the files' records) written into `tmp`, the marker-to-be
+    dropped, `tmp` renamed to `final`. A folder already at `final` (an incomplete one, or one a
+    resume re-trains over) never blocks the commit and is never lost before it: set aside, commit,
+    then delete it."""
+    write_json(os.path.join(tmp, MARKER), dict(meta, files=files))
+    if os.path.exists(os.path.join(tmp, PENDING)):
+        os.remove(os.path.join(tmp, PENDING))
+    old = set_aside(final, ".replaced") if os.path.exists(final) else None
+    os.replace(tmp, final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def verify_files(path: str, files: dict | None, mine: list[str]) -> str | None:

@@ -202,19 +202,19 @@ def from_hf_state_dict(sd: dict, args, tie: bool = True) -> dict:
 
 def save_hf(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
     hf = {k: v.detach().to("cpu", dtype) for k, v in to_hf_state_dict(sd, args).items()}
-    _write_safetensors(hf, folder)
+    write_safetensors(hf, folder)
     cfg = hf_config(args)
     cfg["torch_dtype"] = str(dtype).replace("torch.", "")
     with open(os.path.join(folder, "config.json"), "w") as fh:
         json.dump(cfg, fh, indent=1)
 
 
-def _write_safetensors(tensors: dict, folder: str) -> None:
-    """folder/model.safetensors, written whole or not at all (a temporary file, then a rename)."""
+def write_safetensors(tensors: dict, folder: str, name: str = "model.safetensors") -> None:
+    """folder/name, written whole or not at all (a temporary file, then a rename)."""
     os.makedirs(folder, exist_ok=True)
-    tmp = os.path.join(folder, "model.safetensors.tmp")
+    tmp = os.path.join(folder, name + ".tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(folder, "model.safetensors"))
+    os.replace(tmp, os.path.join(folder, name))
 
 
 def load_hf(folder: str, args) -> dict:
@@ -245,7 +245,7 @@ def export_hf(model, args, cfg, folder: str) -> None:
 def save_hf_native(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
     """A model.name = 'hf' state dict (already in HF names) + its config, as transformers saves them:
     loads with AutoModelForCausalLM.from_pretrained(folder). A tied LM head is stored once."""
-    _write_safetensors({k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()
+    write_safetensors({k: v.detach().to("cpu", dtype).contiguous() for k, v in sd.items()
                         if not (args.tie_embeddings and k == "lm_head.weight")}, folder)
     config = args.config
     config.dtype = str(dtype).replace("torch.", "")  # (transformers 5 name; was torch_dtype)

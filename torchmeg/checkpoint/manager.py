@@ -37,8 +37,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchmeg.checkpoint import resume
-from torchmeg.checkpoint.folder import (MARKER, PENDING, committed_steps, crc32, incomplete_write, resolve_folder,
-                                        set_aside, step_dir, tmp_dir, verify_files)
+from torchmeg.checkpoint.folder import (MARKER, PENDING, commit_folder, committed_steps, file_records,
+                                        incomplete_write, resolve_folder, set_aside, step_dir, tmp_dir, verify_files,
+                                        write_json)
 from torchmeg.config.errors import CheckpointError, ConfigError
 from torchmeg.runtime.process import collectives_in_one_thread
 
@@ -126,7 +127,7 @@ class CheckpointManager:
         self.rank = dist.get_rank()
         self.loaded_from = None
         self.notes: list[str] = []  # what the resume changed, printed (rank 0) under the run header
-        self.pending = None  # (future, tmp, final, step, t0, model_only, marker) of an async save not yet committed
+        self.pending = None  # (future, tmp, final, step, t0) of an async save not yet committed
         # Async saves run collectives in a background thread: give them their own gloo group so
         # they never interleave with training's collectives on the default group.
         self.async_group = dist.new_group(backend="gloo") if self.c.async_mode == "async" else None
@@ -148,8 +149,7 @@ class CheckpointManager:
             if problem is None and not os.path.exists(step_dir(self.folder, step)):
                 with open(os.path.join(tmp, PENDING)) as fh:
                     meta = json.load(fh)
-                files = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))]
-                         for n in os.listdir(tmp) if n != PENDING} if self.c.verify else None
+                files = file_records(tmp, [n for n in os.listdir(tmp) if n != PENDING]) if self.c.verify else None
                 self._publish(tmp, step_dir(self.folder, step), meta, files)
                 print(f"[checkpoint] step {step}: its save was written in full before the last run ended, but "
                       f"not committed; committed now", flush=True)
@@ -230,7 +230,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         if self.rank == 0:  # the marker-to-be first: what a restart needs to commit this save if we die
             os.makedirs(tmp, exist_ok=True)
-            _write_json(os.path.join(tmp, PENDING), self._meta(step, model_only))
+            write_json(os.path.join(tmp, PENDING), self._meta(step, model_only))
         if self.c.async_mode == "async" and not last:
             with collectives_in_one_thread():
                 fut = dcp.async_save(states, checkpoint_id=tmp, process_group=self.async_group)
@@ -278,8 +278,7 @@ class CheckpointManager:
         dist.barrier()  # every rank's shards are on disk
         files = None
         if self.c.verify:  # each rank hashes its share of the files; rank 0 records them all
-            mine = {n: [os.path.getsize(os.path.join(tmp, n)), crc32(os.path.join(tmp, n))]
-                    for n in _my_share([n for n in os.listdir(tmp) if n != PENDING])}
+            mine = file_records(tmp, _my_share([n for n in os.listdir(tmp) if n != PENDING]))
             files = {k: v for part in _gather(mine) for k, v in part.items()}
         if self.rank == 0:
             with open(os.path.join(tmp, PENDING)) as fh:
@@ -289,15 +288,8 @@ class CheckpointManager:
         dist.barrier()
 
     def _publish(self, tmp: str, final: str, meta: dict, files: dict | None) -> None:
-        """Rank 0: torchmeg.json written (fsynced), the folder renamed into place, old ones pruned."""
-        _write_json(os.path.join(tmp, MARKER), dict(meta, files=files))
-        os.remove(os.path.join(tmp, PENDING))
-        # A folder already at this step (an incomplete one, or one this resume re-trains over)
-        # must never block the new save: set it aside, commit, then delete it.
-        old = set_aside(final, ".replaced") if os.path.exists(final) else None
-        os.replace(tmp, final)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        """Rank 0: the folder committed (torchmeg.checkpoint.folder.commit_folder), old ones pruned."""
+        commit_folder(tmp, final, meta, files)
         self._prune()
 
     def _prune(self) -> None:
@@ -309,13 +301,6 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
-
-
-def _write_json(path: str, obj: dict) -> None:
-    with open(path, "w") as fh:
-        json.dump(obj, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _read_marker(path: str) -> tuple[str | None, dict]:

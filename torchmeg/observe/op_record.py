@@ -1,8 +1,8 @@
 """What actually ran in a training step: the dtypes reaching each matmul/attention op, every dtype
 any op touched, the modules float8 converted, and how every parameter is laid out (DTensor mesh,
-placements, local and global shape: a tensor parallel that silently replicated shows here). A precision feature that silently does nothing
-(a bf16 policy left in fp32, a float8 conversion that matched no Linear) shows up here, where
-comparing two runs of the same silent no-op cannot see it.
+placements, local and global shape). A feature that silently does nothing (a bf16 policy left in
+fp32, a float8 conversion that matched no Linear, a tensor parallel that replicated) shows up here,
+where comparing two runs of the same silent no-op cannot see it.
 
 The trainer records step 1 when TORCHMEG_RECORD_OPS=PATH is set (rank r writes PATH.rank<r>.json).
 Ops inside compiled graphs run as inductor kernels and are not seen.
