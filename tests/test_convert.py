@@ -25,21 +25,32 @@ CONFIGS = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
                                          norm_topk_prob=True)),
+    # DeepSeek-V3 as its config.json (YaRN with mscale, low-rank q, group-limited routing, a dense
+    # first layer, routed scaling) at toy width.
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=32,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, num_hidden_layers=3,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
-FAMILY = {"llama31": "llama", "llama_yarn": "llama", "qwen3": "llama", "qwen3_moe": "moe"}
+FAMILY = {"llama31": "llama", "llama_yarn": "llama", "qwen3": "llama", "qwen3_moe": "moe", "deepseek_v3": "deepseek_v3"}
 
 
 def _hf_folder(path, kind: str, **extra):
     import transformers
     cls, kw = CONFIGS[kind]
-    config = getattr(transformers, cls)(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                        rms_norm_eps=1e-5, rope_theta=10000.0, **{**kw, **extra})
+    base = dict(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0)
+    config = getattr(transformers, cls)(**{**base, **kw, **extra})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # weights large enough that greedy decoding is not one repeated token
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, b in model.named_buffers():  # a trained selection bias: it must steer routing here too
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
     model.save_pretrained(str(path))
     return model
 
@@ -92,7 +103,8 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM")])
+@pytest.mark.parametrize("kind, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
+                                       ("deepseek_v3", "DeepseekV3ForCausalLM")])
 def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(kind, cls, tmp_path):
     from transformers import AutoModelForCausalLM
     _hf_folder(tmp_path / "hf", kind)
@@ -171,3 +183,39 @@ def test_from_hf_under_torchrun_shares_the_tensors_out(tmp_path):
         if path == one:
             first = sd
     assert all(torch.equal(first[k], sd[k]) for k in meta)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_mtp_module_goes_to_hf_and_back(tmp_path):
+    """A native DeepSeek-V3 with its MTP module, trained, then exported: the MTP module is written
+    as DeepSeek's checkpoints store it (model.layers.{n_layers}.*: enorm, hnorm, eh_proj,
+    shared_head.norm and a decoder layer) and from-hf imports it back, every tensor equal; transformers
+    (which builds no MTP module) loads the export with the same logits."""
+    from transformers import AutoModelForCausalLM
+    import torch.distributed.checkpoint as dcp
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    recipe = "recipes/deepseek_v3_debug.toml"
+    ckpt = tmp_path / "ck"
+    run_cli(["--config", recipe, "--training.steps=2", "--data.seq_len=32", "--training.local_batch_size=2",
+             "--validation.enable=false", "--metrics.enable_tensorboard=false", "--checkpoint.enable=true",
+             f"--checkpoint.folder={ckpt}"], tmp_path, name="ds")
+    _convert("to-hf", ckpt, "--config", recipe, "--out", tmp_path / "hf")
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {f"model.layers.4.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")} <= set(index)
+    assert "model.layers.4.self_attn.kv_b_proj.weight" in index and "model.layers.4.mlp.experts.7.up_proj.weight" in index
+    _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "back")
+    assert "mtp_depth = 1" in (tmp_path / "back" / "recipe.toml").read_text()
+    model = build_model(load_config(recipe, []), 257, "cpu")
+    want = {"model": model.state_dict()}
+    dcp.load(want, checkpoint_id=str(ckpt / "step-00000002"), no_dist=True)
+    got = {"model": {k: torch.empty_like(v) for k, v in want["model"].items()}}
+    dcp.load(got, checkpoint_id=str(tmp_path / "back" / "checkpoint" / "step-00000000"), no_dist=True)
+    assert any(k.startswith("mtp.4.") for k in got["model"])
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    model.load_state_dict(want["model"])
+    x = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert_tensor_close(model.eval()(x), hf(x).logits, FP32_PARITY, "deepseek_v3 to-hf logits")

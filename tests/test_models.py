@@ -29,6 +29,8 @@ def test_forward_shapes_and_backward(name):
 @pytest.mark.parametrize("name, flavor, expected", [
     ("llama", "1B", 1.236e9), ("llama", "8B", 8.030e9), ("llama", "70B", 70.55e9), ("llama", "405B", 405.8e9),
     ("gpt2", "124M", 124.5e6), ("gpt2", "350M", 354.9e6), ("gpt2", "774M", 774.1e6), ("gpt2", "1.5B", 1.558e9),
+    # DeepSeek-V2-Lite 15.7B and V3 671B (their papers), each + one MTP module (0.59B; 11.6B)
+    ("deepseek_v3", "16B", 15.706e9 + 0.585e9), ("deepseek_v3", "671B", 671.0e9 + 11.61e9),
 ])
 def test_real_flavors_on_meta(name, flavor, expected):
     m = _model(name, flavor, device="meta")

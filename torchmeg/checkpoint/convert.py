@@ -82,6 +82,25 @@ def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: s
         fh.write("\n".join(lines) + "\n")
 
 
+def _targets(files: dict, args, limit: bool = True) -> list[str]:
+    """The torchmeg tensors the folder's tensors make (MTP modules beyond the model's depth left out)."""
+    out = set()
+    for h in files:
+        if "rotary_emb" in h or (args.tie_embeddings and h == "lm_head.weight"):
+            continue
+        f = torchmeg_fqn(h, args)
+        if f is None or (limit and f.startswith("mtp.") and int(f.split(".")[1]) >= args.n_layers + args.mtp_depth):
+            continue
+        out.add(f)
+    return sorted(out)
+
+
+def _moe_prefixes(args) -> list[str]:
+    """The blocks with a routed MoE (main layers after the dense ones; MTP modules' blocks)."""
+    main = [f"layers.{i}" for i in range(getattr(args, "n_dense_layers", 0), args.n_layers)]
+    return main + [f"mtp.{j}.block" for j in range(args.n_layers, args.n_layers + getattr(args, "mtp_depth", 0))]
+
+
 def from_hf(a) -> None:
     src, out = os.path.abspath(a.source), os.path.abspath(a.out)
     cfg_path = os.path.join(src, "config.json")
@@ -104,8 +123,16 @@ def from_hf(a) -> None:
     cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
     args = model_args(cfg, None)
     files = _hf_files(src)
-    targets = sorted({torchmeg_fqn(h) for h in files
-                      if "rotary_emb" not in h and not (args.tie_embeddings and h == "lm_head.weight")})
+    if getattr(args, "mtp_depth", 0) and not any(f.startswith("mtp.") for f in _targets(files, args, limit=False)):
+        # (transformers builds no MTP module, so the folders it writes hold none; DeepSeek's own do)
+        if rank == 0:
+            print(f"config.json: {args.mtp_depth} MTP module(s) but no MTP tensors in {src}: model.mtp_depth = 0 "
+                  f"(set it in the recipe to train freshly initialised ones)")
+        keys["mtp_depth"] = 0
+        cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
+        args = model_args(cfg, None)
+    args.rope_halves = config.get("rope_interleave", True) is False  # (DeepSeek: see hf._deepseek_rope_from_halves)
+    targets = _targets(files, args)
     hf_config(args) if hasattr(args, "n_experts") else None  # (a moe outside Qwen3-MoE's shape: refused now)
     ckpt = os.path.join(out, "checkpoint")
     tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)
@@ -119,8 +146,9 @@ def from_hf(a) -> None:
         state[fqn] = from_hf_state_dict(parts, args, tie=False)[fqn].to(dtype).contiguous()
         if fqn == "tok_embeddings.weight" and args.tie_embeddings:  # one tensor in the folder, two names here
             state["output.weight"] = state[fqn]
-    if rank == 0 and hasattr(args, "n_experts"):  # the selection bias of aux-loss-free balancing starts at 0
-        state.update({f"layers.{i}.moe.expert_bias": torch.zeros(args.n_experts) for i in range(args.n_layers)})
+    if rank == 0 and hasattr(args, "n_experts"):  # a selection bias the folder lacks starts at 0
+        state.update({f"{p}.moe.expert_bias": torch.zeros(args.n_experts) for p in _moe_prefixes(args)
+                      if f"{p}.moe.expert_bias" not in targets})
     os.makedirs(tmp, exist_ok=True)
     if world > 1:
         import torch.distributed as dist  # lazy: only a torchrun conversion has a process group
@@ -145,9 +173,10 @@ def from_hf(a) -> None:
 
 def to_hf(a, overrides: list[str]) -> None:
     cfg = load_config(a.config, overrides)
-    if cfg.model.name not in ("llama", "moe"):
-        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama and moe families "
-                          f"(Llama, Qwen3, Qwen3-MoE); `hf` models export as they are with checkpoint.export_hf")
+    if cfg.model.name not in ("llama", "moe", "deepseek_v3"):
+        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama, moe and deepseek_v3 "
+                          f"families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); `hf` models export as they are with "
+                          f"checkpoint.export_hf")
     args = model_args(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
     path = os.path.abspath(a.source)
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -157,7 +186,8 @@ def to_hf(a, overrides: list[str]) -> None:
         path = step_dir(path, steps[-1])
     config = hf_config(args)  # (refuses a model transformers has no class for, before any work)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model.") and not k.endswith("expert_bias"))
+    keep_bias = hasattr(args, "kv_lora_rank")  # DeepSeek-V3 stores the selection bias; Qwen3-MoE has none
+    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model.") and (keep_bias or not k.endswith("expert_bias")))
     if args.tie_embeddings:
         fqns = [f for f in fqns if f != "output.weight"]
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...

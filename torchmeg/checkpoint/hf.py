@@ -38,6 +38,38 @@ _NAMES = [  # torchmeg pattern -> HF pattern
 ]
 
 
+# DeepSeek-V3 (DeepseekV3ForCausalLM): MLA's projections, shared experts, the router's selection
+# bias; tried before _NAMES (its attention.q_norm is the latent's norm, not Qwen3's per-head one).
+_DEEPSEEK = [
+    (r"layers\.(\d+)\.attention\.wq\.weight", "model.layers.{}.self_attn.q_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wq_a\.weight", "model.layers.{}.self_attn.q_a_proj.weight"),
+    (r"layers\.(\d+)\.attention\.q_norm\.weight", "model.layers.{}.self_attn.q_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attention\.wq_b\.weight", "model.layers.{}.self_attn.q_b_proj.weight"),
+    (r"layers\.(\d+)\.attention\.wkv_a\.weight", "model.layers.{}.self_attn.kv_a_proj_with_mqa.weight"),
+    (r"layers\.(\d+)\.attention\.kv_norm\.weight", "model.layers.{}.self_attn.kv_a_layernorm.weight"),
+    (r"layers\.(\d+)\.attention\.wkv_b\.weight", "model.layers.{}.self_attn.kv_b_proj.weight"),
+    (r"layers\.(\d+)\.moe\.shared\.w1\.weight", "model.layers.{}.mlp.shared_experts.gate_proj.weight"),
+    (r"layers\.(\d+)\.moe\.shared\.w2\.weight", "model.layers.{}.mlp.shared_experts.down_proj.weight"),
+    (r"layers\.(\d+)\.moe\.shared\.w3\.weight", "model.layers.{}.mlp.shared_experts.up_proj.weight"),
+    (r"layers\.(\d+)\.moe\.expert_bias", "model.layers.{}.mlp.gate.e_score_correction_bias"),
+    # MTP module j (numbered after the main layers, as DeepSeek's checkpoints store it: layers.61 in V3)
+    (r"mtp\.(\d+)\.enorm\.weight", "model.layers.{}.enorm.weight"),
+    (r"mtp\.(\d+)\.hnorm\.weight", "model.layers.{}.hnorm.weight"),
+    (r"mtp\.(\d+)\.eh_proj\.weight", "model.layers.{}.eh_proj.weight"),
+    (r"mtp\.(\d+)\.norm\.weight", "model.layers.{}.shared_head.norm.weight"),
+]
+# Tensors DeepSeek's checkpoints repeat inside each MTP layer: copies of the shared embedding and head.
+_MTP_COPIES = re.compile(r"model\.layers\.(\d+)\.(embed_tokens|shared_head\.head)\.weight")
+
+
+def _is_deepseek(args) -> bool:
+    return hasattr(args, "kv_lora_rank")
+
+
+def _table(args):
+    return _DEEPSEEK + _NAMES if _is_deepseek(args) else _NAMES
+
+
 def _rename(name: str, table) -> str:
     for src, dst in table:
         m = re.fullmatch(src, name)
@@ -61,6 +93,8 @@ def hf_config(args) -> dict:
     heads are QK-normed, Qwen3MoeForCausalLM for a moe of Qwen3-MoE's shape; the rope scaling as
     transformers names it."""
     qwen3 = getattr(args, "qk_norm", False)
+    if _is_deepseek(args):
+        return _deepseek_v3_config(args)
     if hasattr(args, "n_experts"):
         return _qwen3_moe_config(args)
     cfg = {
@@ -102,6 +136,34 @@ def _qwen3_moe_config(args) -> dict:
     return cfg
 
 
+def _deepseek_v3_config(args) -> dict:
+    """DeepseekV3ForCausalLM's config for a native deepseek_v3 (the MTP modules as
+    num_nextn_predict_layers; transformers builds no MTP module and skips their tensors)."""
+    for key, ok in (("score_func", "sigmoid"), ("balance", "bias")):
+        if getattr(args, key) != ok:
+            raise ConfigError(f"model.{key} = {getattr(args, key)!r}: DeepseekV3ForCausalLM routes with "
+                              f"{key} = {ok!r} only")
+    if args.n_shared_experts < 1:
+        raise ConfigError("model.n_shared_experts = 0: DeepseekV3ForCausalLM has shared experts (>= 1)")
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": args.vocab_size,
+           "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "moe_intermediate_size": args.moe_hidden,
+           "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+           "num_key_value_heads": args.n_heads, "n_shared_experts": args.n_shared_experts,
+           "n_routed_experts": args.n_experts, "routed_scaling_factor": args.route_scale,
+           "kv_lora_rank": args.kv_lora_rank, "q_lora_rank": args.q_lora_rank or None,
+           "qk_rope_head_dim": args.qk_rope_head_dim, "qk_nope_head_dim": args.qk_nope_head_dim,
+           "v_head_dim": args.v_head_dim, "n_group": args.n_expert_groups, "topk_group": args.topk_groups,
+           "num_experts_per_tok": args.top_k, "first_k_dense_replace": args.n_dense_layers,
+           "norm_topk_prob": args.route_norm, "hidden_act": "silu", "max_position_embeddings": args.max_seq_len,
+           "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_embeddings, "rope_theta": args.rope_theta,
+           "rope_interleave": True, "attention_bias": False, "num_nextn_predict_layers": args.mtp_depth,
+           "scoring_func": "sigmoid", "topk_method": "noaux_tc", "torch_dtype": "float32"}
+    scaling = rope_scaling_config(args)
+    if scaling:
+        cfg["rope_scaling"] = scaling
+    return cfg
+
+
 def rope_scaling_config(args) -> dict | None:
     """The args' RoPE scaling as transformers' rope_scaling dict (None for plain RoPE)."""
     kind = getattr(args, "rope_type", "default")
@@ -120,8 +182,13 @@ def rope_scaling_config(args) -> dict | None:
     return out
 
 
-_BACK = [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}").replace("\\.", "."))
-         for src, dst in _NAMES]
+def _backward(table):
+    return [(re.escape(dst).replace(r"\{\}", r"(\d+)"), src.replace(r"(\d+)", "{}").replace("\\.", "."))
+            for src, dst in table]
+
+
+_BACK, _BACK_DEEPSEEK = _backward(_NAMES), _backward(_DEEPSEEK + _NAMES)
+_MTP_BLOCK = re.compile(r"mtp\.(\d+)\.block\.(.*)")
 
 
 # Routed experts: torchmeg's grouped [E, D, H] w1 / w3 and [E, H, D] w2 are, in a checkpoint of
@@ -133,22 +200,36 @@ _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def hf_names(fqn: str, args) -> list[str]:
-    """The transformers tensors torchmeg tensor `fqn` is made of (E for grouped experts, else 1)."""
+    """The transformers tensors torchmeg tensor `fqn` is made of (E for grouped experts, else 1).
+    An MTP module's block is stored like a decoder layer under its own number."""
+    b = _MTP_BLOCK.fullmatch(fqn)
+    if b:
+        fqn = f"layers.{b[1]}.{b[2]}"
     m = _EXPERTS.fullmatch(fqn)
     if m:
         return [f"model.layers.{m[1]}.mlp.experts.{e}.{_PROJ[m[2]]}.weight" for e in range(args.n_experts)]
-    return [_rename(fqn, _NAMES)]
+    return [_rename(fqn, _table(args))]
 
 
-def torchmeg_fqn(hf: str) -> str:
+def torchmeg_fqn(hf: str, args=None) -> str | None:
+    """The torchmeg tensor an HF tensor belongs to (None: a copy torchmeg keeps once, e.g. an MTP
+    layer's embedding)."""
+    if _MTP_COPIES.fullmatch(hf):
+        return None
     m = _HF_EXPERT.fullmatch(hf)
-    if m:
-        return f"layers.{m[1]}.moe.experts.{ {v: k for k, v in _PROJ.items()}[m[3]]}"
-    return _rename(hf, _BACK)
+    fqn = f"layers.{m[1]}.moe.experts.{ {v: k for k, v in _PROJ.items()}[m[3]]}" if m else \
+        _rename(hf, _BACK_DEEPSEEK if args is not None and _is_deepseek(args) else _BACK)
+    layer = re.match(r"layers\.(\d+)\.(.*)", fqn)
+    if layer and args is not None and int(layer[1]) >= args.n_layers:  # an MTP module's block
+        return f"mtp.{layer[1]}.block.{layer[2]}"
+    return fqn
 
 
 def tensor_to_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
-    """One tensor in transformers' layout (RoPE rows within each head permuted, see the docstring)."""
+    """One tensor in transformers' layout (RoPE rows within each head permuted, see the docstring;
+    DeepSeek-V3's rope_interleave layout is torchmeg's own)."""
+    if _is_deepseek(args):
+        return t
     if fqn.endswith("attention.wq.weight"):
         return _to_hf_rows(t, args.n_heads)
     if fqn.endswith("attention.wk.weight"):
@@ -159,12 +240,28 @@ def tensor_to_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
 
 
 def tensor_from_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
+    if _is_deepseek(args):
+        return _deepseek_rope_from_halves(fqn, t, args) if getattr(args, "rope_halves", False) else t
     if fqn.endswith("attention.wq.weight"):
         return _from_hf_rows(t, args.n_heads)
     if fqn.endswith("attention.wk.weight"):
         return _from_hf_rows(t, args.kv_heads)
     if fqn.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
         return _from_hf_rows(t[:, None], 1)[:, 0]
+    return t
+
+
+def _deepseek_rope_from_halves(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
+    """A DeepSeek checkpoint with rope_interleave = false rotates each rotary part's two halves
+    (transformers' rotate_half): the rows producing the rotary dims are permuted into torchmeg's
+    interleaved pairs (the same rotation, as for Llama)."""
+    r = args.qk_rope_head_dim
+    pairs = torch.stack([torch.arange(r // 2), torch.arange(r // 2) + r // 2], -1).flatten()
+    if fqn.endswith(("attention.wq.weight", "attention.wq_b.weight")):
+        w = t.view(args.n_heads, args.qk_nope_head_dim + r, -1)
+        return torch.cat([w[:, :args.qk_nope_head_dim], w[:, args.qk_nope_head_dim:][:, pairs]], 1).reshape(t.shape)
+    if fqn.endswith("attention.wkv_a.weight"):
+        return torch.cat([t[:args.kv_lora_rank], t[args.kv_lora_rank:][pairs]])
     return t
 
 
@@ -175,7 +272,7 @@ def to_hf_state_dict(sd: dict, args) -> dict:
         if args.tie_embeddings and n == "output.weight":
             continue
         names = hf_names(n, args)
-        if _EXPERTS.fullmatch(n):
+        if len(names) > 1:
             out.update({h: t[e].t().contiguous() for e, h in enumerate(names)})
         else:
             out[names[0]] = tensor_to_hf(n, t, args).contiguous()
@@ -188,13 +285,16 @@ def from_hf_state_dict(sd: dict, args, tie: bool = True) -> dict:
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue
-        fqn = torchmeg_fqn(name)
-        if _EXPERTS.fullmatch(fqn):
+        fqn = torchmeg_fqn(name, args)
+        if fqn is None:
+            continue
+        if _EXPERTS.fullmatch(fqn) or _EXPERTS.fullmatch(re.sub(r"^mtp\.(\d+)\.block\.", r"layers.\1.", fqn)):
             experts.setdefault(fqn, {})[name] = t
         else:
             out[fqn] = tensor_from_hf(fqn, t, args)
     for fqn, parts in experts.items():
         out[fqn] = torch.stack([parts[h].t() for h in hf_names(fqn, args)]).contiguous()
+
     if tie and args.tie_embeddings and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out

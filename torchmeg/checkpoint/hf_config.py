@@ -9,7 +9,8 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.models.rope import ROPE_TYPES
 
 # model_type -> (torchmeg model name, QK norm)
-NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True), "qwen3_moe": ("moe", True)}
+NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True), "qwen3_moe": ("moe", True),
+          "deepseek_v3": ("deepseek_v3", False)}
 
 
 def rope_parameters(config: dict) -> dict:
@@ -40,6 +41,27 @@ def _qwen3_moe_keys(config: dict) -> dict:
             "moe_hidden": config["moe_intermediate_size"], "n_shared_experts": 0, "score_func": "softmax",
             "route_norm": bool(config.get("norm_topk_prob", False)), "balance": "aux_loss",
             "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)), "n_dense_layers": 0}
+
+
+def _deepseek_v3_keys(config: dict) -> dict:
+    """DeepSeek-V3's MLA, DeepSeekMoE routing (sigmoid, aux-loss-free bias, group-limited top-k)
+    and MTP depth; a routing it does not describe is refused by key."""
+    if config.get("scoring_func", "sigmoid") != "sigmoid":
+        raise _refuse("scoring_func", config["scoring_func"], "DeepSeek-V3 scores with sigmoid only")
+    if config.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise _refuse("topk_method", config["topk_method"], "DeepSeek-V3 selects with noaux_tc only")
+    return {"q_lora_rank": config.get("q_lora_rank") or 0, "kv_lora_rank": config["kv_lora_rank"],
+            "qk_nope_head_dim": config["qk_nope_head_dim"], "qk_rope_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"], "n_experts": config["n_routed_experts"],
+            "top_k": config["num_experts_per_tok"], "moe_hidden": config["moe_intermediate_size"],
+            "n_shared_experts": config.get("n_shared_experts") or 0, "score_func": "sigmoid", "balance": "bias",
+            "route_norm": bool(config.get("norm_topk_prob", True)),
+            "route_scale": float(config.get("routed_scaling_factor", 1.0)),
+            "n_expert_groups": config.get("n_group") or 1, "topk_groups": config.get("topk_group") or 1,
+            "n_dense_layers": config.get("first_k_dense_replace") or 0,
+            # training settings config.json does not carry: DeepSeek-V3's published ones (sec. 4.2)
+            "bias_update_rate": 0.001, "seq_aux_loss_coef": 0.0001,
+            "mtp_depth": config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)) or 0}
 
 
 def native_model_keys(config: dict) -> tuple[str, dict] | None:
@@ -77,6 +99,10 @@ def native_model_keys(config: dict) -> tuple[str, dict] | None:
                     rope_high_freq_factor=float(rope["high_freq_factor"]))
     if name == "moe":
         keys.update(_qwen3_moe_keys(config))
+    if name == "deepseek_v3":  # (head_dim is the rotary part's, set by the model; no kv heads in MLA)
+        for k in ("head_dim", "n_kv_heads", "qk_norm"):
+            keys.pop(k)
+        keys.update(_deepseek_v3_keys(config))
     if kind == "yarn":
         keys.update(rope_beta_fast=float(rope.get("beta_fast") or 32), rope_beta_slow=float(rope.get("beta_slow") or 1),
                     rope_mscale=float(rope.get("mscale") or 0), rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0),

@@ -46,6 +46,8 @@ def check_model_args(cfg, spec: ModelSpec, args, tokenizer_vocab: int | None) ->
     if spec.make_args is None and args.dim % args.n_heads and not getattr(args, "explicit_head_dim", False):
         raise ConfigError(f"model.dim = {args.dim}: not divisible by model.n_heads = {args.n_heads}; or set "
                           f"model.head_dim")
+    for key, why in (args.problems() if hasattr(args, "problems") else []):
+        raise ConfigError(f"model.{key} = {getattr(args, key)!r}: {why}")
     if args.n_heads % args.kv_heads:
         raise ConfigError(f"model.n_kv_heads = {args.kv_heads}: must divide model.n_heads = {args.n_heads}")
     if hasattr(args, "rope_theta") and args.head_dim % 2:

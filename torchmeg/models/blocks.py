@@ -51,3 +51,15 @@ def blocks(model: nn.Module, path: str = "") -> list[nn.Module]:
     if container is None:
         return []
     return list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+
+
+def extra_blocks(model: nn.Module) -> list[nn.Module]:
+    """Blocks outside the main container that a model names in `extra_blocks` (FQNs of containers,
+    e.g. DeepSeek-V3's MTP modules): FSDP makes each its own unit too."""
+    out = []
+    for name in getattr(model, "extra_blocks", ()):
+        container = getattr(model, name, None)
+        if container is not None:
+            out += list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
+    return out
+

@@ -18,7 +18,7 @@ def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
 
 
 def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
-    """Training FLOPs per token: 6 x matmul weights + 12 x layers x heads x head_dim x seq_len.
+    """Training FLOPs per token: 6 x matmul weights + 6 x layers x heads x (qk + v head dims) x seq_len.
 
     The first term is forward (2N) + backward (4N) over every nn.Linear weight (embedding lookups
     are not matmuls; a tied output counts as a matmul); the second is QK^T and AV over the full
@@ -31,7 +31,9 @@ def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
             n += m.weight.numel()
         elif is_grouped_experts(m):  # only top_k of the experts run
             n += _expert_weights(m) * m.top_k // m.n_experts
-    return 6 * n + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    qk, v = getattr(args, "attention_head_dims", (args.head_dim, args.head_dim))
+    layers = args.n_layers + getattr(args, "mtp_depth", 0)
+    return 6 * n + 6 * layers * args.n_heads * (qk + v) * seq_len
 
 
 def active_params(model: nn.Module) -> int:

@@ -78,23 +78,28 @@ class LayerCache:
 
     def update(self, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values at their slots -> every key/value the new queries may read."""
+        return self._write("k", k_BKLD), self._write("v", v_BKLD)
+
+    def append(self, x_BKLD: torch.Tensor) -> torch.Tensor:
+        """One buffer instead of two (MLA caches a single latent per token) -> every slot so far."""
+        return self._write("k", x_BKLD)
+
+    def _write(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
         c = self.owner
-        if self.k is None:
-            B, K, _, D = k_BKLD.shape
-            self.k = k_BKLD.new_zeros(B, K, c.max_len, D)
-            self.v = v_BKLD.new_zeros(B, K, c.max_len, D)
-        n = k_BKLD.shape[2]
+        buf = getattr(self, name)
+        if buf is None:
+            B, K, _, D = x_BKLD.shape
+            buf = x_BKLD.new_zeros(B, K, c.max_len, D)
+            setattr(self, name, buf)
+        n = x_BKLD.shape[2]
         if c.static:
-            slots = c._slots(n)
-            self.k.index_copy_(2, slots, k_BKLD)
-            self.v.index_copy_(2, slots, v_BKLD)
-            return self.k, self.v
+            buf.index_copy_(2, c._slots(n), x_BKLD)
+            return buf
         end = c.length + n
         if end > c.max_len:
             raise ValueError(f"KV cache of {c.max_len} slots is full ({end} needed)")
-        self.k[:, :, c.length:end] = k_BKLD
-        self.v[:, :, c.length:end] = v_BKLD
-        return self.k[:, :, :end], self.v[:, :, :end]
+        buf[:, :, c.length:end] = x_BKLD
+        return buf[:, :, :end]
 
     def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
         """Attention of the new queries over this layer's cache, new keys included."""

@@ -42,6 +42,23 @@ class MoEArgs(LlamaArgs):
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 1e-3
     n_dense_layers: int = 0             # the first layers keep a dense FFN (DeepSeek-V3: 3)
+    n_expert_groups: int = 1            # DeepSeek-V3 group-limited routing: experts in this many groups ...
+    topk_groups: int = 1                # ... and a token's k experts come from its best this-many groups
+    route_scale: float = 1.0            # routed outputs' weights x this (DeepSeek-V3's routed_scaling_factor)
+    seq_aux_loss_coef: float = 0.0      # DeepSeek-V3's complementary sequence-wise balance loss (alpha); 0 = off
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(model key, what is wrong) for every routing setting that cannot work."""
+        out = []
+        if not 1 <= self.top_k <= self.n_experts:
+            out.append(("top_k", f"must be within 1..model.n_experts = {self.n_experts}"))
+        if self.n_experts % self.n_expert_groups:
+            out.append(("n_expert_groups", f"must divide model.n_experts = {self.n_experts}"))
+        elif not 1 <= self.topk_groups <= self.n_expert_groups:
+            out.append(("topk_groups", f"must be within 1..model.n_expert_groups = {self.n_expert_groups}"))
+        elif self.topk_groups * (self.n_experts // self.n_expert_groups) < self.top_k:
+            out.append(("topk_groups", f"its groups hold fewer than model.top_k = {self.top_k} experts"))
+        return out
 
 
 def expert_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts: list[int]) -> torch.Tensor:
@@ -61,10 +78,12 @@ def grouped_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts_E: torch.Tensor) -> torch.T
 
 def grouped_mm_takes(x_TD: torch.Tensor, w_EDH: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands (torch 2.13): fp32 / bf16 on CPU, bf16 on
-    CUDA from sm_90 and on fake tensors; every row 16-byte aligned."""
+    CUDA from sm_90, on fake tensors and under torch.compile; every row 16-byte aligned."""
     item = x_TD.element_size()
     aligned = all(n * item % 16 == 0 for n in (x_TD.shape[-1], w_EDH.shape[-1]))
-    if isinstance(x_TD, FakeTensor):  # the planner's: the op's shape rule takes bf16 only, as CUDA's kernel
+    if isinstance(x_TD, FakeTensor) or torch.compiler.is_compiling():
+        # the planner's fake tensors and torch.compile's tracing: the op's shape rule takes bf16
+        # only (as CUDA's kernel), whatever the CPU kernel accepts
         return aligned and x_TD.dtype == torch.bfloat16
     if x_TD.device.type == "cpu":
         return aligned and x_TD.dtype in (torch.float32, torch.bfloat16)
@@ -112,6 +131,28 @@ class _AuxLoss(torch.autograd.Function):
         return grad, torch.ones_like(aux)
 
 
+def limit_to_groups(select_TE: torch.Tensor, groups: int, keep: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3, sec. 2.1.2; node-limited on the cluster): the experts
+    split into `groups` equal groups, each scored by the sum of its two best selection scores; a
+    token may pick experts only from its `keep` best groups (the others masked to -inf)."""
+    T, E = select_TE.shape
+    g_TGe = select_TE.view(T, groups, E // groups)
+    best = g_TGe.topk(min(2, E // groups), dim=-1).values.sum(-1).topk(keep, dim=-1).indices
+    allowed = torch.zeros(T, groups, dtype=torch.bool, device=select_TE.device).scatter_(1, best, True)
+    return select_TE.masked_fill(~allowed[:, :, None].expand_as(g_TGe).reshape(T, E), float("-inf"))
+
+
+def sequence_balance_loss(scores_BLE: torch.Tensor, idx_BLK: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    """DeepSeek-V3 eq. 17-20 without alpha: per sequence, sum_i f_i P_i with f_i = E / (K L) x the
+    tokens routed to expert i and P_i the mean of the token-normalised scores; the mean over sequences."""
+    B, L, E = scores_BLE.shape
+    K = idx_BLK.shape[-1]
+    counts_BE = torch.zeros(B, E, device=scores_BLE.device).scatter_add_(
+        1, idx_BLK.reshape(B, L * K), torch.ones(B, L * K, device=scores_BLE.device))
+    p = scores_BLE / scores_BLE.sum(-1, keepdim=True) if sigmoid else scores_BLE
+    return (counts_BE * (E / (K * L)) * p.mean(1)).sum(1).mean()
+
+
 class MoE(nn.Module):
     def __init__(self, a: MoEArgs):
         super().__init__()
@@ -137,10 +178,14 @@ class MoE(nn.Module):
         logits = self.router(x).float()
         scores = logits.softmax(-1) if self.a.score_func == "softmax" else logits.sigmoid()
         select = scores + self.expert_bias if self.a.balance == "bias" else scores
+        if self.a.n_expert_groups > 1:
+            select = limit_to_groups(select, self.a.n_expert_groups, self.a.topk_groups)
         _, idx_TK = select.topk(self.a.top_k, dim=-1)
         w_TK = scores.gather(-1, idx_TK)
         if self.a.route_norm:
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        if self.a.route_scale != 1.0:
+            w_TK = w_TK * self.a.route_scale
         counts = torch.bincount(idx_TK.flatten(), minlength=self.a.n_experts)
         if self.record_stats:
             with torch.no_grad():
@@ -152,10 +197,16 @@ class MoE(nn.Module):
         y = torch.zeros_like(x).index_add_(0, token_of, (y_sorted.float() * w_TK.flatten()[order, None]).type_as(x))
         if self.shared is not None:
             y = y + self.shared(x)
+        aux = None
         if self.training and self.a.balance == "aux_loss" and self.a.aux_loss_coef > 0:
             f = counts.float() / idx_TK.numel()
             p = scores.mean(0) if self.a.score_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).mean(0)
             aux = self.a.aux_loss_coef * self.a.n_experts * (f * p).sum()
+        if self.training and self.a.seq_aux_loss_coef > 0:
+            seq = self.a.seq_aux_loss_coef * sequence_balance_loss(
+                scores.view(B, L, -1), idx_TK.view(B, L, -1), self.a.score_func == "sigmoid")
+            aux = seq if aux is None else aux + seq
+        if aux is not None:
             y = _AuxLoss.apply(y, aux * self.aux_loss_scale)
         return y.view(B, L, D)
 
@@ -167,10 +218,10 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, a: MoEArgs, layer: int):
+    def __init__(self, a: MoEArgs, layer: int, attention: type = Attention):
         super().__init__()
         self.attention_norm = RMSNorm(a.dim, a.norm_eps)
-        self.attention = Attention(a)
+        self.attention = attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         dense = layer < a.n_dense_layers
         self.feed_forward = FeedForward(a.dim, a.ffn_hidden) if dense else None

@@ -41,7 +41,7 @@ def _llama3(inv: torch.Tensor, a) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _mscale(scale: float, m: float = 1.0) -> float:
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
@@ -54,9 +54,9 @@ def _yarn(inv: torch.Tensor, dim: int, theta: float, a) -> tuple[torch.Tensor, f
     if a.rope_attention_factor > 0:
         att = a.rope_attention_factor
     elif a.rope_mscale and a.rope_mscale_all_dim:
-        att = _mscale(factor, a.rope_mscale) / _mscale(factor, a.rope_mscale_all_dim)
+        att = yarn_mscale(factor, a.rope_mscale) / yarn_mscale(factor, a.rope_mscale_all_dim)
     else:
-        att = _mscale(factor)
+        att = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -135,6 +135,8 @@ def format_line(r: dict) -> str:
          f"mem {r['memory_gib']:.2f} GiB | {r['elapsed_ms']:.0f} ms")
     if "moe_imbalance" in r:
         s += f" | experts max/mean {r['moe_imbalance']:.2f}"
+    if "mtp_loss" in r:
+        s += f" | mtp_loss {r['mtp_loss']:.4f}"
     if "val_loss" in r:
         s += f" | val_loss {r['val_loss']:.4f}"
     if r.get("loss_spike"):

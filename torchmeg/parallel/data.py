@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchmeg.models.blocks import blocks
+from torchmeg.models.blocks import blocks, extra_blocks
 from torchmeg.models.moe import is_grouped_experts
 
 
@@ -32,7 +32,7 @@ def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forwa
     """
     kw = dict(mesh=mesh, mp_policy=mp_policy(mixed_precision))
     units = 1
-    for block in blocks(model, blocks_path):
+    for block in blocks(model, blocks_path) + extra_blocks(model):
         if expert_mesh is not None:
             for m in block.modules():
                 if is_grouped_experts(m):

@@ -157,6 +157,7 @@ def build_schedule(parts, ids, n_stages: int, device: torch.device, pp_group, n_
     stages = [PipelineStage(part, sid, n_stages, device, group=pp_group) for part, sid in zip(parts, ids)]
     for stage in stages:
         _track(stage)
+        _no_stats_in_inference(stage)
     cls = S.get_schedule_class(schedule)
     # scale_grads: gradients are divided by the microbatch count, matching a per-microbatch mean loss.
     if schedule in SINGLE:
@@ -221,6 +222,27 @@ def _track(stage) -> None:
             _INFLIGHT["done"] = True
             return out
         setattr(stage, method, wrapped)
+
+
+def _no_stats_in_inference(stage) -> None:
+    """torch infers each stage's shapes with one real forward at the first step (torch 2.13
+    `_forward_metadata_inference`; later stages on uninitialised tensors): modules that count what
+    they see (MoE routing loads, which steer the balancing bias) must not count that forward."""
+    fn = getattr(stage, "_forward_metadata_inference", None)
+    if fn is None:
+        return
+
+    def wrapped(*a, **kw):
+        counters = [m for m in stage.submod.modules() if hasattr(m, "record_stats")]
+        before = [m.record_stats for m in counters]
+        for m in counters:
+            m.record_stats = False
+        try:
+            return fn(*a, **kw)
+        finally:
+            for m, b in zip(counters, before):
+                m.record_stats = b
+    stage._forward_metadata_inference = wrapped
 
 
 def describe_inflight() -> str:

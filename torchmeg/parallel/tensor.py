@@ -7,9 +7,15 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
   sp_enter             a module whose replicated input should become sequence-sharded (SP only)
   sp_norm              a norm run on sequence shards (SP only; Korthikanti et al. 2022, sec. 4.2.2)
   sp_norm_local        sp_norm with a plain local output shard (models that add norm outputs to the
-                       residual stream, e.g. Gemma's post-norms)
+                       residual stream, e.g. Gemma's post-norms; any module applied to each position
+                       alone with replicated weights, e.g. DeepSeek-V3's MTP eh_proj)
   sp_input             a module (attention, MLP) whose first input is sequence-sharded and must be
                        all-gathered before its column-parallel projections (SP only)
+  sp_input_local       sp_input with the gathered input as a plain tensor (a module whose replicated
+                       layers take no DTensor: MLA's down-projections); its gradient must be whole
+                       on every rank, which column-parallel consumers and head_shared make it
+  head_shared          an identity on a tensor every head reads (MLA's rotary key): each rank's heads
+                       give part of its gradient, summed over tp in backward (no forward traffic)
   sp_replicated        a module computed whole on every TP rank: input gathered, output re-sharded
                        (SP only; MoE experts, which EP parallelises instead)
   colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
@@ -25,7 +31,7 @@ import inspect
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
@@ -33,8 +39,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from torchmeg.parallel.float8 import is_float8_linear
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
-ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_replicated", "colwise", "rowwise",
-         "output", "replicate_grad_allreduce")
+ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_input_local",
+         "sp_replicated", "colwise", "rowwise", "output", "replicate_grad_allreduce", "head_shared")
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -88,6 +94,19 @@ class _ReplicateGradAllReduce(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
 
 
+class _SumGradOverTP(ParallelStyle):
+    """head_shared: forward unchanged; the input's gradient, a partial sum on each rank, is summed
+    over the group (to_local's grad_placements mark it Partial; from_local's backward reduces it)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def pre_hook(mod, args):
+            x = DTensor.from_local(args[0], device_mesh, (Replicate(),), run_check=False)
+            return (x.to_local(grad_placements=(Partial(),)),) + tuple(args[1:])
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
+
+
 def _float8_styles():
     # lazy: torchao is imported only where float8 is on (its import costs ~1 s and registers pytree nodes)
     from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
@@ -113,6 +132,12 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return Row(output_layouts=seq)
     if role == "replicate_grad_allreduce":
         return _ReplicateGradAllReduce()
+    if role == "head_shared":
+        return _SumGradOverTP()
+    if role == "sp_input_local" and sp:
+        rest = (None,) * (_n_positional(module) - 1)
+        return Prep(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest,
+                    use_local_output=True)
     if role == "sp_input" and sp and not f8 and _takes_kwargs(module):
         return _GatherFirstInput()
     if role == "sp_input" and sp:

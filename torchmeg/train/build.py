@@ -132,6 +132,7 @@ class ModelStep:
     has_first: bool
     has_last: bool
     pp_group: object
+    wants_labels: bool = False  # the model takes the labels too (DeepSeek-V3's MTP modules)
 
     @classmethod
     def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
@@ -139,7 +140,7 @@ class ModelStep:
         A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off."""
         return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
-                   mesh["pp"].get_group())
+                   mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
@@ -148,8 +149,12 @@ class ModelStep:
 
     def extra(self, batch) -> dict:
         """The model's keyword inputs of a batch: document numbers under document masking, whole
-        (context parallel picks its chunks' own; positions come from them)."""
-        return {"documents": batch[2].to(self.device)} if len(batch) > 2 else {}
+        (context parallel picks its chunks' own; positions come from them); the labels for a model
+        that predicts further ahead (MTP)."""
+        kw = {"documents": batch[2].to(self.device)} if len(batch) > 2 else {}
+        if self.wants_labels:
+            kw["labels"] = self.local(batch[1])
+        return kw
 
     def loss_context(self):
         return loss_parallel_ctx() if self.loss_parallel else contextlib.nullcontext()

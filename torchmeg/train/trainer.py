@@ -94,7 +94,9 @@ class Trainer:
         self.moe_layers = [m for m in self.model.modules() if hasattr(m, "update_bias")]
         # The aux loss rides with the LM loss, which is divided by the microbatch count here;
         # under PP the schedule divides every gradient by its microbatch count itself (scale_grads).
-        for m in self.moe_layers:
+        # (DeepSeek-V3's MTP loss rides the same way: the model keeps its own scale and last value.)
+        self.mtp_models = [m for m in self.model.modules() if hasattr(m, "mtp_loss")]
+        for m in self.moe_layers + self.mtp_models:
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
         self.expert_params = [p for m in expert_modules(self.model) for p in m.parameters()] if self.dims.ep > 1 else []
@@ -235,6 +237,12 @@ class Trainer:
             m.tokens_per_expert.zero_()
         imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-9)).mean().item()
         self.router_stats = {"moe_imbalance": imbalance, "tokens_per_expert": loads.sum(0).tolist()}
+        if self.mtp_models and self.mtp_models[0].mtp is not None:
+            # this step's MTP cross-entropy (mean over microbatches), averaged over the loss group
+            mtp = self.mtp_models[0].mtp_loss.detach().clone()
+            dist.all_reduce(mtp, group=self.loss_group)
+            self.router_stats["mtp_loss"] = mtp.item() / dist.get_world_size(self.loss_group)
+            self.mtp_models[0].mtp_loss.zero_()
 
     @torch.no_grad()
     def evaluate(self) -> float:
