@@ -16,8 +16,8 @@ def _hogs(n: int) -> list[subprocess.Popen]:
 
 def test_probe_under_load_is_not_cached(tmp_path):
     """Spinning processes on every core (and one more) take the probe's cores away: it sees its own
-    CPU share fall, uses the number for this run only and writes nothing. On the idle machine the
-    next probe is clean, cached, and says when and how it was taken."""
+    CPU share fall, uses the number for this run only and writes nothing. (More load from elsewhere
+    only makes it busier: the test holds on a shared machine.)"""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -33,19 +33,27 @@ def test_probe_under_load_is_not_cached(tmp_path):
         assert flops > 0
         assert "BUSY" in source and "not cached" in source, source
         assert not (tmp_path / "peak_flops.json").exists()
-
-        time.sleep(0.3)
-        p = peak.probe_cpu(torch.float32)
-        assert p.clean, f"idle machine, cpu share {p.cpu_share:.2f}"
-        flops2, source2 = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
-        table = json.loads((tmp_path / "peak_flops.json").read_text())
-        (entry,) = table.values()
-        assert entry["cpu_share"] >= peak.CLEAN_SHARE and entry["rounds"] == peak.ROUNDS
-        assert "cached in" in source2 and "cpu share" in source2 and "taken" in source2
-        # Cached: the next run reads it instead of probing.
-        assert peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))[0] == flops2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_clean_probe_is_cached_and_read_back(tmp_path, monkeypatch):
+    """A clean probe (its threads got the CPU) is cached with how and when it was taken, and the
+    next run reads it instead of probing. The probe is a stand-in with an idle machine's share:
+    whether this machine is idle while the suite runs is not the test's to control."""
+    calls = []
+
+    def clean_probe(dtype):
+        calls.append(dtype)
+        return peak.Probe(1.25e11, 0.99, torch.get_num_threads(), 1024, peak.ROUNDS, time.time())
+
+    monkeypatch.setattr(peak, "probe_cpu", clean_probe)
+    flops, source = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
+    assert flops == 1.25e11 and "measured now" in source and "cached in" in source, source
+    (entry,) = json.loads((tmp_path / "peak_flops.json").read_text()).values()
+    assert entry["cpu_share"] >= peak.CLEAN_SHARE and entry["rounds"] == peak.ROUNDS and entry["taken"] > 0
+    again, source2 = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
+    assert again == flops and len(calls) == 1 and "cpu share" in source2 and "taken" in source2, source2
 
 
 def test_untrusted_cache_entries_are_probed_again(tmp_path):

@@ -2,8 +2,8 @@
        python -m torchmeg.convert to-hf CHECKPOINT --config RECIPE --out DIR [--max-shard-gb G] [--section.key=value ...]
 
 from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
-rope scaling and YaRN; qwen3 as llama with QK norm; qwen3_moe as moe) or else `hf` (transformers' own
-modules), and
+rope scaling and YaRN; qwen3 as llama with QK norm; qwen3_moe as moe; deepseek_v3 as deepseek_v3, its
+MTP modules included where the folder has them) or else `hf` (transformers' own modules), and
 writes DIR/recipe.toml describing that model (and FOLDER's tokenizer.json, copied) plus, for a
 native family, a model-only checkpoint DIR/checkpoint/step-00000000 that training, generation and
 evaluation start from (`hf` models read FOLDER's safetensors themselves: checkpoint.initial_load_hf).

@@ -9,6 +9,8 @@ Load balancing, chosen by `balance`:
             P = mean router probability), added to the gradient without changing the output
   bias      DeepSeek-V3's aux-loss-free balancing: a per-expert bias shifts which experts are
             selected (not their weights) and is nudged after each step toward under-used experts
+DeepSeek-V3's group-limited routing (n_expert_groups, topk_groups), routed scaling (route_scale) and
+sequence-wise balance loss (seq_aux_loss_coef) are options of the same block.
 Experts are grouped 3-D weights [E, ...]; tokens are sorted by expert and all experts run in three
 grouped matmuls over their contiguous slices (`torch._grouped_mm`, offsets from the token counts on
 the device: no host sync), where the kernel takes the dtype and layout; else a loop over experts
@@ -270,7 +272,7 @@ FLAVORS = {
                          max_seq_len=32768, n_experts=8, top_k=2, moe_hidden=14336, score_func="softmax",
                          balance="aux_loss", aux_loss_coef=0.02, multiple_of=1024, ffn_dim_multiplier=1.3),
     # DeepSeek-V3's MoE shape (256 routed + 1 shared expert, top-8, sigmoid scores, aux-loss-free,
-    # 3 dense layers) on GQA attention — torchmeg has no MLA, hence "-like".
+    # 3 dense layers) on GQA attention, hence "-like"; model.name = "deepseek_v3" is the real thing (MLA, MTP).
     "deepseek-v3-like": dict(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
                              rope_theta=10000.0, max_seq_len=163840, n_experts=256, top_k=8, moe_hidden=2048,
                              n_shared_experts=1, score_func="sigmoid", balance="bias", n_dense_layers=3,
