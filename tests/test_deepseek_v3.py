@@ -144,3 +144,23 @@ def test_layouts_and_routing_it_cannot_take_are_refused(override, world, words):
         validate(cfg, world_size=world)
     for w in words:
         assert w in str(e.value), str(e.value)
+
+
+@pytest.mark.slow
+def test_deepseek_v3_float8_tp2_matches_float8_one_process(tmp_path):
+    """torchao float8 (emulated on CPU) on MLA's and the dense / shared-expert projections, TP2 vs one
+    process. Bound 1e-2 as the llama float8 TP test (tests/test_compiler.py): a sharded matmul sums
+    in another order (~n 2^-24 relative, n <= 256 here), moving a fraction ~n 2^-24 / 2^-4 of the e4m3
+    casts by one e4m3 ulp (2^-3); a norm moves <= 2^-3 sqrt(p) ~ 2e-3 a step, 4 steps < 1e-2."""
+    import json
+    f8 = DS + NO_MTP + ["--float8.enable=true"]
+    run_cli(f8 + ["--training.local_batch_size=8"], tmp_path, name="one")
+    run_cli(f8 + ["--training.local_batch_size=8", P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"],
+            tmp_path, nproc=2, name="tp", env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
+    rec = json.loads((tmp_path / "ops.rank0.json").read_text())
+    converted = set(rec["float8_modules"])
+    for fqn in ("layers.1.attention.wq_b", "layers.1.attention.wkv_b", "layers.1.attention.wo",
+                "layers.0.feed_forward.w1", "layers.1.moe.shared.w2"):
+        assert fqn in converted, sorted(converted)
+    assert "float8_e4m3fn" in rec["dtypes_seen"], rec["dtypes_seen"]
+    assert_parity(read_metrics(tmp_path, "one"), read_metrics(tmp_path, "tp"), 1e-2)
