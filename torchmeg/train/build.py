@@ -84,7 +84,10 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
     head = {}
 
     def prepare(part: nn.Module) -> None:
-        parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=spec_tp_plan(spec, part),
+        # The plan is read only under TP: a Hugging Face plan may name styles torchmeg cannot
+        # honour (packed MoE experts), which must not stop a run that does not shard over tp.
+        plan = spec_tp_plan(spec, part) if dims.tp > 1 else None
+        parallelize(part, dims, cfg, mesh=mesh, ep_mesh=ep_mesh, tp_plan=plan,
                     plan_must_match=spec.hf_native)  # a plan read from this very model: all must match
         with storage():
             materialize(part, device, seed, block=local_block)
