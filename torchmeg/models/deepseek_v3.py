@@ -28,9 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchmeg.models.attention import DocumentBatch, document_positions
-from torchmeg.models.init import Normal
 from torchmeg.models.llama import DECODER_TP, RMSNorm, causal_attention
-from torchmeg.models.moe import MoE, MoEArgs, MoEBlock, MoETransformer, _AuxLoss
+from torchmeg.models.moe import MoEArgs, MoEBlock, MoETransformer, _AuxLoss
 from torchmeg.models.rope import apply_rope, yarn_mscale
 
 
@@ -177,11 +176,6 @@ class DeepSeekV3(MoETransformer):
                                   for k in range(args.mtp_depth)}) if args.mtp_depth else None
         self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)  # this step's, for the log
 
-    def init_rule(self, fqn: str):
-        if fqn.endswith(("wkv_b.weight", "wq_b.weight")):
-            return Normal(self.args.init_std)
-        return super().init_rule(fqn)
-
     def init_buffers(self) -> None:
         super().init_buffers()
         if hasattr(self, "mtp_loss"):  # (Llama's constructor fills the tables before it exists)
@@ -218,9 +212,6 @@ class DeepSeekV3(MoETransformer):
     # set by the training loop like each MoE layer's (1 / microbatches a step accumulates)
     aux_loss_scale = 1.0
     extra_blocks = ("mtp",)  # each MTP module its own FSDP unit (torchmeg.models.blocks)
-
-    def moe_layers(self) -> list[MoE]:
-        return [m for m in self.modules() if isinstance(m, MoE)]
 
 
 # ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------
