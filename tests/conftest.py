@@ -1,10 +1,14 @@
 """Shared helpers: run the real CLI (one process or torchrun with N ranks) and read its metrics."""
 from __future__ import annotations
 
+import atexit
+import collections
 import inspect
 import re
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -31,54 +35,185 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Forked:
+    """A run forked by the zygote (`tests/zygote.py`), with the part of Popen's interface the suite
+    uses: pid, poll(), wait(timeout), kill(), returncode."""
+
+    def __init__(self, conn: socket.socket):
+        self._conn, self._buf, self.returncode = conn, b"", None
+        self.pid = json.loads(self._line(timeout=60))["pid"]
+
+    def _line(self, timeout):
+        self._conn.settimeout(timeout)
+        while b"\n" not in self._buf:
+            data = self._conn.recv(4096)
+            if not data:
+                raise RuntimeError("the zygote went away")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self._line(timeout=0.001))["rc"]
+                self._conn.close()
+            except (socket.timeout, BlockingIOError):
+                pass
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            try:
+                self.returncode = json.loads(self._line(timeout=timeout))["rc"]
+            except socket.timeout:
+                raise subprocess.TimeoutExpired(self.pid, timeout) from None
+            self._conn.close()
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class _Zygote:
+    """A fork server (tests/zygote.py) for runs whose environment has `key` (its import-time part)."""
+
+    def __init__(self, env: dict):
+        self.dir = tempfile.mkdtemp(prefix="torchmeg-zygote-")
+        self.path = os.path.join(self.dir, "sock")
+        with open(os.path.join(self.dir, "log"), "w") as log:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), self.path],
+                                         cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=log, text=True)
+        ready = self.proc.stdout.readline()  # the server prints it after its imports, or dies
+        if ready.strip() != "ready":
+            raise RuntimeError(f"the test zygote did not start: {open(os.path.join(self.dir, 'log')).read()[-2000:]}")
+        atexit.register(self.close)
+
+    def spawn(self, module: str, args: list[str], env: dict, out_path: str, err_path: str) -> _Forked:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.path)
+        conn.sendall(json.dumps({"module": module, "args": list(args), "env": env, "cwd": ROOT,
+                                 "stdout": out_path, "stderr": err_path}).encode() + b"\n")
+        return _Forked(conn)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTES: "collections.OrderedDict[tuple, _Zygote]" = collections.OrderedDict()
+# One-process runs and ranks (OMP_NUM_THREADS=1) need two servers; tests with an environment of their
+# own (compile tests' inductor cache folder) get one each, the least recently used going first.
+_MAX_ZYGOTES = 4
+
+
+def _zygote_for(env: dict):
+    """The fork server for a run with `env`, started at first use; None with TORCHMEG_TEST_NO_ZYGOTE=1
+    (every run in a fresh interpreter)."""
+    if os.environ.get("TORCHMEG_TEST_NO_ZYGOTE") == "1":
+        return None
+    from zygote import import_key
+    key = import_key(env)
+    if key in _ZYGOTES:
+        _ZYGOTES.move_to_end(key)
+        return _ZYGOTES[key]
+    while len(_ZYGOTES) >= _MAX_ZYGOTES:
+        _ZYGOTES.popitem(last=False)[1].close()
+    _ZYGOTES[key] = _Zygote(env)
+    return _ZYGOTES[key]
+
+
+def _start(cmd: list[str], env: dict, out_path: str, err_path: str):
+    """`python -m MODULE ARGS` (cmd) as a fork of the zygote when its environment allows, else a
+    fresh interpreter; stdout/stderr to the two files."""
+    z = _zygote_for(env) if cmd[1] == "-m" and env.get("TORCHMEG_TEST_NO_ZYGOTE") != "1" else None
+    if z is not None:
+        return z.spawn(cmd[2], cmd[3:], env, out_path, err_path)
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+
+
 def _launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: int) -> subprocess.CompletedProcess:
     """Start nproc real processes with the environment torchrun gives its workers (RANK, WORLD_SIZE,
     MASTER_ADDR/PORT, one OpenMP thread each), ~1 s cheaper per run than torchrun's agent. The
     first rank to fail ends the others, and the whole run is bounded by `timeout`."""
     port, procs, outs = _free_port(), [], []
-    for r in range(nproc):
-        e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                 GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        f_out, f_err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=f_out, stderr=f_err, text=True))
-        outs.append((f_out, f_err))
-    deadline, rc = time.time() + timeout, 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed or time.time() > deadline:
-            rc = failed[0] if failed else 124
-            time.sleep(1.0)  # let the others report, then stop them
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
-        time.sleep(0.05)
-    for p in procs:
-        p.wait()
-    rc = rc or next((p.returncode for p in procs if p.returncode), 0)
-    text = []
-    for f_out, f_err in outs:
-        f_out.seek(0)
-        f_err.seek(0)
-        text.append((f_out.read(), f_err.read()))
+    logs = tempfile.mkdtemp(prefix="torchmeg-ranks-")
+    try:
+        for r in range(nproc):
+            e = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                     GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+            out_path, err_path = os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")
+            procs.append(_start(cmd, e, out_path, err_path))
+            outs.append((out_path, err_path))
+        deadline, rc = time.time() + timeout, 0
+        while any(p.poll() is None for p in procs):
+            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+            if failed or time.time() > deadline:
+                rc = failed[0] if failed else 124
+                time.sleep(1.0)  # let the others report, then stop them
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        rc = rc or next((p.returncode for p in procs if p.returncode), 0)
+        text = [(open(o).read(), open(e).read()) for o, e in outs]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     return subprocess.CompletedProcess(cmd, rc, text[0][0], "\n".join(e for _, e in text))
 
 
+def _run_one(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
+    """One process, as subprocess.run(capture_output=True, timeout=...) would."""
+    logs = tempfile.mkdtemp(prefix="torchmeg-run-")
+    try:
+        out_path, err_path = os.path.join(logs, "out"), os.path.join(logs, "err")
+        p = _start(cmd, env, out_path, err_path)
+        try:
+            rc = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            raise
+        return subprocess.CompletedProcess(cmd, rc, open(out_path).read(), open(err_path).read())
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
 def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeout: int = 120,
-            env: dict | None = None, check: bool = True, torchrun: bool = False) -> subprocess.CompletedProcess:
+            env: dict | None = None, check: bool = True, torchrun: bool = False,
+            fresh: bool = False) -> subprocess.CompletedProcess:
     """`python -m torchmeg.train` on one process, or on nproc ranks (torchrun --standalone when
-    `torchrun`, else the same worker environment set up directly)."""
+    `torchrun`, else the same worker environment set up directly). Forked from the suite's zygote
+    (tests/zygote.py) when the run's environment allows: the same run without the ~2.4 s of imports.
+    `fresh`: a new interpreter whatever the environment (a test of what happens at import)."""
     full_env = dict(os.environ)
     full_env.update({"PYTHONUNBUFFERED": "1"})
     full_env.update(env or {})
+    if fresh:
+        full_env["TORCHMEG_TEST_NO_ZYGOTE"] = "1"
     train = ["-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", f"--job.name={name}"] + list(args)
     if nproc > 1 and not torchrun:
         p = _launch_ranks([sys.executable] + train, nproc, full_env, timeout)
+    elif nproc == 1:
+        p = _run_one([sys.executable] + train, full_env, timeout)
     else:
-        launcher = [sys.executable] if nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        p = subprocess.run(launcher + train, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                           timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc_per_node={nproc}"] + train, cwd=ROOT, env=full_env, capture_output=True,
+                           text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}: {' '.join(p.args)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p

@@ -76,6 +76,30 @@ def stdlib_store():
     return open_store(build_stdlib(ByteTokenizer()))
 
 
+def test_preprocess_parquet_equals_jsonl_and_damage_is_named(tmp_path):
+    """--input *.parquet --text-key: the same store as the same texts in JSON lines (null cells are no
+    document); a damaged Parquet file or a missing column stops with one line naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), *a],
+                                    capture_output=True, text=True, timeout=120)
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in TEXTS) + "\n")
+    pq.write_table(pa.table({"body": TEXTS[:2] + [None] + TEXTS[2:], "n": list(range(len(TEXTS) + 1))}),
+                   str(tmp_path / "in.parquet"), row_group_size=2)
+    for name, src, extra in (("j", "in.jsonl", []), ("p", "in.parquet", ["--workers", "2"])):
+        p = run("--input", str(tmp_path / src), "--text-key", "body", "--output-prefix", str(tmp_path / name), *extra)
+        assert p.returncode == 0, p.stderr
+    assert (tmp_path / "j.bin").read_bytes() == (tmp_path / "p.bin").read_bytes()
+    assert (tmp_path / "j.idx").read_bytes() == (tmp_path / "p.idx").read_bytes()
+    (tmp_path / "bad.parquet").write_bytes((tmp_path / "in.parquet").read_bytes()[:-40])  # footer cut off
+    for args, why in ((["--input", str(tmp_path / "bad.parquet")], "not a readable Parquet file"),
+                      (["--input", str(tmp_path / "in.parquet"), "--text-key", "text"], "no column 'text'")):
+        p = run(*args, "--output-prefix", str(tmp_path / "out"))
+        lines = [x for x in p.stderr.splitlines() if x.strip()]
+        assert p.returncode == 1 and len(lines) == 1 and why in lines[0] and ".parquet" in lines[0], p.stderr
+        assert not (tmp_path / "out.bin").exists()  # nothing partial left
+
+
 def test_stdlib_corpus_is_real_text(stdlib_store):
     assert stdlib_store.n_tokens > 5_000_000  # the stdlib's own source, several MB
     text = ByteTokenizer().decode(stdlib_store.doc(0))

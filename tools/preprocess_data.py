@@ -7,7 +7,8 @@ indexed-dataset layout (megatron-core reads it as is; `--format torchmeg` writes
   python tools/preprocess_data.py --input data.jsonl --train-tokenizer --vocab-size 8192 \
       --output-prefix data/mycorpus      # also writes data/mycorpus.tokenizer.json
 
-Inputs: .jsonl/.json files (one JSON object per line, text under --json-key), any other file as one
+Inputs: .jsonl/.json files (one JSON object per line, text under --json-key), .parquet files (the
+--json-key column, read a record batch at a time; needs pyarrow: the `data` extra), any other file as one
 document, directories (walked recursively), and glob patterns. Every document ends with the
 tokenizer's end-of-document token (Megatron's --append-eod) and is one sequence of the index.
 
@@ -81,11 +82,37 @@ def _record_text(path: str, n: int, raw: bytes, json_key: str) -> str | None:
     return text
 
 
-def iter_records(files: list[str]):
-    """(path, line number, raw bytes, is_jsonl) per record, in order: a JSONL line, or a whole file.
-    Cheap (no decoding): the workers decode, parse and tokenize."""
+def _parquet_rows(path: str, json_key: str):
+    """(path, row number, text or None, "parquet") per row of a Parquet file's --json-key column, read
+    a record batch at a time (FineWeb / DCLM shards are GBs); a damaged file or a missing column is a
+    BadRecord naming the file."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise BadRecord(f"{path}: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
+    try:
+        f = pq.ParquetFile(path)
+        if json_key not in f.schema_arrow.names:
+            raise BadRecord(f"{path}: no column {json_key!r}; columns: {', '.join(f.schema_arrow.names)}; "
+                            f"pass --json-key")
+        row = 0
+        for batch in f.iter_batches(columns=[json_key], batch_size=1024):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                yield path, row, text, "parquet"
+    except BadRecord:
+        raise
+    except Exception as e:  # pyarrow raises several types for damaged files
+        raise BadRecord(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+
+
+def iter_records(files: list[str], json_key: str = "text"):
+    """(path, line number, raw bytes, is_jsonl) per record, in order: a JSONL line, or a whole file;
+    Parquet rows carry their text (kind "parquet"). Cheap: the workers decode, parse and tokenize."""
     for path in files:
-        if path.endswith((".jsonl", ".json")):
+        if path.endswith(".parquet"):
+            yield from _parquet_rows(path, json_key)
+        elif path.endswith((".jsonl", ".json")):
             with open(path, "rb") as fh:
                 for n, raw in enumerate(fh, 1):
                     yield path, n, raw, True
@@ -97,6 +124,12 @@ def iter_records(files: list[str]):
 def record_text(record, json_key: str) -> str | None:
     """A record's text (None: a blank line), or BadRecord saying why not."""
     path, n, raw, is_jsonl = record
+    if is_jsonl == "parquet":
+        if raw is None:
+            return None  # a null cell: no document (as a blank JSONL line)
+        if not isinstance(raw, str):
+            raise BadRecord(f"{path}:row {n}: {json_key!r} is a {type(raw).__name__}, not a string")
+        return raw
     if is_jsonl:
         return _record_text(path, n, raw, json_key)
     try:
@@ -109,7 +142,7 @@ def record_text(record, json_key: str) -> str | None:
 def iter_documents(files: list[str], json_key: str, skipped: list | None = None):
     """Document texts in order (tokenizer training). With `skipped` (a list), bad records are
     appended there and skipped; without it the first one raises BadRecord."""
-    for rec in iter_records(files):
+    for rec in iter_records(files, json_key):
         try:
             text = record_text(rec, json_key)
         except BadRecord as e:
@@ -132,7 +165,7 @@ def _init(spec, json_key):
 def _work(record):
     """In a worker: -> ("doc", token ids, input bytes) | ("skip", None, input bytes) |
     ("bad", message, input bytes)."""
-    size = len(record[2])
+    size = len(record[2].encode("utf-8")) if isinstance(record[2], str) else len(record[2] or b"")
     try:
         text = record_text(record, _KEY)
     except BadRecord as e:
@@ -173,7 +206,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="files, directories or glob patterns")
     ap.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    ap.add_argument("--json-key", default="text", help="field holding the text in .jsonl input")
+    ap.add_argument("--json-key", "--text-key", default="text", help="field (column) holding the text in .jsonl "
+                    "(.parquet) input")
     ap.add_argument("--tokenizer", default="byte", help="'byte' or a path to a tokenizer.json")
     ap.add_argument("--train-tokenizer", action="store_true", help="train a BPE tokenizer on the input first")
     ap.add_argument("--vocab-size", type=int, default=8192, help="with --train-tokenizer")
@@ -208,9 +242,24 @@ def main(argv=None) -> int:
     return 0
 
 
+def _input_bytes(path: str, json_key: str) -> int:
+    """What the progress line counts through: a file's size, or a Parquet column's uncompressed size
+    (the text the rows hold, which the compressed file size understates)."""
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+            meta = pq.ParquetFile(path).metadata
+            cols = [i for i in range(meta.num_columns) if meta.schema.column(i).name == json_key]
+            return sum(meta.row_group(g).column(c).total_uncompressed_size
+                       for g in range(meta.num_row_groups) for c in cols) or os.path.getsize(path)
+        except Exception:  # unreadable: reading it reports that, naming the file
+            return os.path.getsize(path)
+    return os.path.getsize(path)
+
+
 def _convert(a, files: list[str], tmp_tok: str | None):
     """Tokenize everything into a StoreWriter; returns (closed writer, bad records skipped)."""
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(_input_bytes(f, a.json_key) for f in files)
     skipped = [] if a.on_bad_record == "skip" else None
     spec = a.tokenizer
     if tmp_tok:
@@ -236,7 +285,7 @@ def _convert(a, files: list[str], tmp_tok: str | None):
 def _tokenize(a, files, spec, writer, skipped, total) -> str:
     """Records -> documents in the writer, in input order; -> the throughput line."""
     prog = Progress(total)
-    records = iter_records(files)
+    records = iter_records(files, a.json_key)
     if a.workers > 1:
         pool = mp.Pool(a.workers, initializer=_init, initargs=(spec, a.json_key))
         results = pool.imap(_work, records, chunksize=16)  # streamed, in order

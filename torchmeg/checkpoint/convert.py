@@ -4,7 +4,8 @@
 from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
 rope scaling and YaRN; qwen3 as llama with QK norm; qwen3_moe as moe; deepseek_v3 as deepseek_v3, its
 MTP modules included where the folder has them) or else `hf` (transformers' own modules), and
-writes DIR/recipe.toml describing that model (and FOLDER's tokenizer.json, copied) plus, for a
+writes DIR/recipe.toml describing that model (and FOLDER's tokenizer.json with its config and chat
+template, copied) plus, for a
 native family, a model-only checkpoint DIR/checkpoint/step-00000000 that training, generation and
 evaluation start from (`hf` models read FOLDER's safetensors themselves: checkpoint.initial_load_hf).
 Under torchrun each rank converts and writes its own share of the tensors (read one by one from the
@@ -68,6 +69,16 @@ def _toml_value(v) -> str:
     return json.dumps(v) if isinstance(v, str) else str(v)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _copy_tokenizer(src: str, out: str) -> None:
+    """The folder's tokenizer and what fine-tuning reads beside it (its chat template, special tokens)."""
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+
+
 def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str) -> None:
     lines = [f"# written by python -m {PROG} from-hf {source}", "[model]", f'name = "{name}"']
     if name != "hf":
@@ -114,8 +125,7 @@ def from_hf(a) -> None:
     tokenizer = os.path.join(out, "tokenizer.json") if os.path.isfile(tok) else "byte"
     if native is None:  # transformers' own modules read the folder themselves
         if rank == 0:
-            if os.path.isfile(tok):
-                shutil.copy(tok, tokenizer)
+            _copy_tokenizer(src, out)
             write_recipe(os.path.join(out, "recipe.toml"), "hf", {"hf_config": src}, tokenizer, None, src)
             print(f"{config.get('model_type')}: no native family; wrote {out}/recipe.toml (model.name = \"hf\")")
         return
@@ -158,8 +168,7 @@ def from_hf(a) -> None:
     else:
         dcp.save({"model": state}, checkpoint_id=tmp, no_dist=True)
     if rank == 0:
-        if os.path.isfile(tok):
-            shutil.copy(tok, tokenizer)
+        _copy_tokenizer(src, out)
         meta = {"step": 0, "model_only": True, "model": f"{name}/converted", "source": src,
                 "layout": f"converted by {PROG} ({world} process{'es' if world > 1 else ''})",
                 "tokenizer": build_tokenizer(tokenizer).fingerprint() if tokenizer != "byte" else ""}

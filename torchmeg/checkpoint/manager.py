@@ -125,7 +125,7 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.folder = resolve_folder(cfg)
         self.rank = dist.get_rank()
-        self.loaded_from = None
+        self.loaded_from = self.loaded_initial = None
         self.notes: list[str] = []  # what the resume changed, printed (rank 0) under the run header
         self.pending = None  # (future, tmp, final, step, t0) of an async save not yet committed
         # Async saves run collectives in a background thread: give them their own gloo group so
@@ -187,7 +187,29 @@ class CheckpointManager:
         if candidates:
             raise CheckpointError(f"checkpoint.folder {self.folder}: no intact checkpoint left (damaged ones are "
                                   f"renamed *.damaged); move them away to start from scratch")
+        if self.c.initial_load_path:
+            self._load_initial(self.c.initial_load_path)
         return None
+
+    def _load_initial(self, where: str) -> None:
+        """checkpoint.initial_load_path: the model weights of another run's checkpoint (any layout saved
+        it), nothing else: step 0, a fresh optimizer and data position (fine-tuning a pretrained model)."""
+        key = "checkpoint.initial_load_path"
+        path = where
+        if not os.path.isfile(os.path.join(path, MARKER)):
+            steps = committed_steps(path) if os.path.isdir(path) else []
+            if not steps:
+                raise CheckpointError(f"{key} = {where!r}: neither a committed step folder nor a checkpoint folder "
+                                      f"holding one")
+            path = step_dir(path, steps[-1])
+        problem, _ = _read_marker(path)
+        if problem:
+            raise CheckpointError(f"{key} = {where!r}: {path} is damaged ({problem})")
+        failed = _load_checked(path, self._states(model_only=True), lambda: list(self.model.parameters()))
+        if failed:
+            why = failed[1] if failed[0] == "load" else "non-finite values in the weights"
+            raise CheckpointError(f"{key} = {where!r}: {path} cannot be loaded ({why})")
+        self.loaded_from = self.loaded_initial = path
 
     def _try_load(self, path: str, step: int) -> str | None:
         """Load `path`; None if it is whole and finite, else the problem (one line, the same on

@@ -73,10 +73,20 @@ class Data:
                                            "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
     mask_eod_loss: bool = _f(False, help="no loss on predicting a document's first token from the previous "
                                         "document's end (Megatron's --eod-mask-loss)")
+    chat_template: str = _f("", help="training.objective = 'sft': the tokenizer folder's own template when ''; a "
+                                     "built-in name (chatml, llama3), a tokenizer folder or a .jinja file")
+    train_on_prompt: bool = _f(False, help="sft: every token is a target, not only the assistant turns")
+    long_conversations: str = _f("truncate", choices=["truncate", "drop"],
+                                 help="sft: a conversation longer than seq_len keeps its first seq_len tokens, or "
+                                      "is left out (both counted in the log)")
 
 
 @dataclass
 class Training:
+    objective: str = _f("pretrain", choices=["pretrain", "sft"],
+                        help="pretrain: next-token loss over every token; sft: chat data (data.dataset = .jsonl / "
+                             ".parquet conversations or python_stdlib_chat), loss on the assistant tokens only, "
+                             "averaged over the whole global batch's targets")
     steps: int = _f(200, lo=1)
     local_batch_size: int = _f(8, lo=1)
     global_batch_size: int = _f(-1, lo=-1)
@@ -167,6 +177,9 @@ class Checkpoint:
     export_hf: bool = _f(False)
     initial_load_hf: str = _f("", help="a Hugging Face safetensors directory to start from (model.name = 'hf'), "
                               "when there is no checkpoint to resume; each rank reads only its shard")
+    initial_load_path: str = _f("", help="a fresh run (nothing in checkpoint.folder to resume) starts from the model "
+                                "weights of this checkpoint (a step folder, or a checkpoint folder: its newest "
+                                "committed step); step, optimizer and data start anew (fine-tuning)")
     last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
     export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
     on_damaged: str = _f("fallback", choices=["fallback", "stop"],

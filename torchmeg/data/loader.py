@@ -6,8 +6,10 @@ import warnings
 
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchmeg.data.chat import ChatDataError, chat_template
+from torchmeg.data.chat_data import ChatDataset, ChatWindows, tokenize_conversations
 from torchmeg.data.dataset import StepSampler, TokenDataset
-from torchmeg.data.sources import BUILTIN, dataset_list, resolve, stdlib_prefix
+from torchmeg.data.sources import BUILTIN, cache_dir, dataset_list, resolve, stdlib_prefix
 from torchmeg.data.store import exists, open_store
 from torchmeg.config.errors import ConfigError, StoreError
 
@@ -15,7 +17,19 @@ from torchmeg.config.errors import ConfigError, StoreError
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 
+def open_chat(cfg, tokenizer):
+    """training.objective = "sft": the dataset list's conversations, tokenized (torchmeg.data.chat_data)."""
+    d = cfg.data
+    try:
+        template = chat_template(cfg)
+        return tokenize_conversations(dataset_list(cfg), template, tokenizer, d.train_on_prompt, cache_dir(cfg))
+    except ChatDataError as e:
+        raise ConfigError(f"data.dataset: {e}") from None
+
+
 def open_stores(cfg, tokenizer) -> list:
+    if cfg.training.objective == "sft":
+        return [open_chat(cfg, tokenizer)]
     stores = []
     for n in dataset_list(cfg):
         try:
@@ -31,6 +45,10 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
     node's cache, once per node (local rank 0 calls this; the node's other ranks wait). -> one note
     per built-in corpus: where it is, built now (and in how long) or found."""
     notes = []
+    if cfg.training.objective == "sft":
+        t0 = time.perf_counter()
+        open_chat(cfg, tokenizer)  # tokenized into the cache once, here
+        return [f"chat conversations tokenized or found in {time.perf_counter() - t0:.1f} s"]
     for n in dataset_list(cfg):
         if n in BUILTIN:
             prefix, t0 = stdlib_prefix(tokenizer, cfg), time.perf_counter()
@@ -41,8 +59,14 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
     return notes
 
 
-def build_dataset(cfg, stores, split: str) -> TokenDataset:
+def build_dataset(cfg, stores, split: str):
     d = cfg.data
+    if cfg.training.objective == "sft":
+        try:
+            windows = ChatWindows(stores[0], d.seq_len, split, d.val_fraction, d.long_conversations, pad_id=0)
+        except ChatDataError as e:
+            raise ConfigError(f"data.dataset: {e}") from None
+        return ChatDataset(windows, cfg.job.seed, split, documents=d.document_masking)
     return TokenDataset(stores, d.weights, d.seq_len, cfg.job.seed, split, d.val_fraction,
                         documents=d.document_masking, mask_eod=d.mask_eod_loss)
 

@@ -27,9 +27,9 @@ from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.train.build import ModelStep, loss_function, mean_eval_loss
 from torchmeg.config.schema import load_config
-from torchmeg.data.dataset import TokenDataset
-from torchmeg.data.loader import build_loader, open_stores
+from torchmeg.data.loader import build_dataset, build_loader, open_stores
 from torchmeg.config.errors import ConfigError
+from torchmeg.kernels.fused_ce import IGNORE
 from torchmeg.inference.trained import load_trained
 from torchmeg.train.validate import validate
 
@@ -58,9 +58,7 @@ def run(prepared) -> None:
     a, cfg, layout = prepared
     loaded = load_trained(cfg, layout)
     rank, mesh = dist.get_rank(), loaded.mesh
-    d = cfg.data
-    dataset = TokenDataset(open_stores(cfg, loaded.tokenizer), d.weights, d.seq_len, cfg.job.seed, a.split,
-                           d.val_fraction, documents=d.document_masking, mask_eod=d.mask_eod_loss)
+    dataset = build_dataset(cfg, open_stores(cfg, loaded.tokenizer), a.split)  # (chat windows under sft)
     full = dataset.n_unique // layout.global_batch
     steps = a.steps or full
     if steps < 1 or steps > full:
@@ -70,7 +68,8 @@ def run(prepared) -> None:
                           f"{layout.global_batch}; lower training.local_batch_size")
     loader = build_loader(dataset, layout.local_batch, layout.dims.dp, mesh["dp"].get_local_rank(), layout.accum,
                           0, steps)
-    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device, loss_function(cfg, loaded.built))
+    ms = ModelStep.of(loaded.built, layout, mesh, loaded.device, loss_function(cfg, loaded.built),
+                      mesh["dp_cp"].get_group())
     t0 = time.perf_counter()
     progress = (lambda done: _progress(done, steps, time.perf_counter() - t0)) if rank == 0 else None
     loss = mean_eval_loss(ms, loader, steps, loaded.device, mesh["dp_cp"].get_group(), progress)
@@ -99,8 +98,12 @@ def _report(a, cfg, layout, loaded, dataset, steps: int, loss: float, seconds: f
     bpb = None
     if per_token is not None:  # the labels' bytes: sample i's tokens depend only on (seed, i)
         table = torch.tensor(per_token + [0] * max(0, layout.args.vocab_size - len(per_token)))
-        n_bytes = sum(int(table[dataset[i][1]].sum()) for i in range(n_windows))
-        bpb = loss * tokens / math.log(2) / n_bytes if n_bytes else None
+        labels = [dataset[i][1] for i in range(n_windows)]
+        labels = [y[y != IGNORE] for y in labels]  # masked positions carry no bytes (and are no index)
+        n_bytes = sum(int(table[y].sum()) for y in labels)
+        # the loss is a sum over targets divided by every position, or (sft) by the targets
+        summed = tokens if cfg.training.objective != "sft" else sum(len(y) for y in labels)
+        bpb = loss * summed / math.log(2) / n_bytes if n_bytes else None
     out = {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "bits_per_byte": bpb, "split": a.split,
            "dataset": cfg.data.dataset, "windows": n_windows, "of_windows": dataset.n_unique, "tokens": tokens,
            "weights": loaded.source, "step": loaded.step, "layout": layout.dims.describe(), "seconds": seconds}

@@ -1,6 +1,6 @@
 """python -m torchmeg.generate --config RECIPE [--section.key=value ...] --prompt TEXT [--prompt TEXT ...]
        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-       [--num-samples N] [--batch-size B] [--no-cache] [--ignore-eos] [--json]
+       [--num-samples N] [--batch-size B] [--no-cache] [--ignore-eos] [--json] [--chat]
 
 Samples text from the recipe's trained model: the newest committed checkpoint of its run
 (--checkpoint.load_step=N for another; --checkpoint.folder=DIR for another run's), whatever layout
@@ -27,6 +27,7 @@ from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.parallel.compile import setup as compile_setup
 from torchmeg.config.schema import load_config
+from torchmeg.data.chat import chat_template
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
 from torchmeg.inference.engine import Sampling, decode_one, generate
@@ -52,6 +53,8 @@ def parse(argv: list[str]):
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole sequence per token (slow)")
     ap.add_argument("--ignore-eos", action="store_true", help="always max-new-tokens tokens (benchmarks, comparisons)")
     ap.add_argument("--json", action="store_true", help="one JSON object per prompt and sample")
+    ap.add_argument("--chat", action="store_true", help="each prompt is a user message, rendered with the recipe's "
+                    "chat template (data.chat_template or the tokenizer's); the answer ends at the turn's end")
     return ap.parse_known_args(argv)
 
 
@@ -114,6 +117,13 @@ def prepare(argv: list[str]):
     sampling.check()
     tok = build_tokenizer(cfg.data.tokenizer)
     texts = read_prompts(a)
+    a.stop, a.stop_id = "", None
+    if a.chat:  # a fine-tuned model: the template's prompt, stopped at its end-of-turn
+        template = chat_template(cfg)
+        texts = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+        a.stop = template.terminator()
+        stop_ids = tok.encode(a.stop) if a.stop else []
+        a.stop_id = stop_ids[0] if len(stop_ids) == 1 else None  # one token (HF templates): decoding stops there
     ids = [tok.encode(t) or [tok.eos_id] for t in texts]  # an empty prompt starts a new document
     check(a, ids, layout.args.max_seq_len)
     return a, cfg, layout, sampling, compile_decode, texts, ids
@@ -135,7 +145,8 @@ def run(prepared) -> None:
     for sample_index in range(a.num_samples):
         for start in range(0, len(ids), size):
             batch = ids[start:start + size]
-            out = generate(loaded.built.model, batch, a.max_new_tokens, -1 if a.ignore_eos else tok.eos_id, sampling, loaded.device,
+            eos = -1 if a.ignore_eos else a.stop_id if a.stop_id is not None else tok.eos_id
+            out = generate(loaded.built.model, batch, a.max_new_tokens, eos, sampling, loaded.device,
                            use_cache=not a.no_cache, decode_step=step, sample_index=sample_index)
             if rank == 0:
                 for i, g in enumerate(out):
@@ -146,6 +157,8 @@ def run(prepared) -> None:
 
 def _print(a, text: str, index: int, sample_index: int, g, tok, loaded, layout) -> None:
     new = tok.decode(g.tokens)
+    if a.stop and a.stop in new:  # --chat with a multi-token end of turn: the answer is what comes before it
+        new = new[:new.index(a.stop)]
     if a.json:
         print(json.dumps({"prompt": text, "sample": sample_index, "prompt_tokens": g.prompt_tokens,
                           "tokens": g.tokens, "text": new, "finish_reason": g.finish_reason,

@@ -114,8 +114,8 @@ def linear_cross_entropy(h, weight, labels, mean_over: str = "targets", sequence
     vocabulary-sharded (Shard(0)) DTensor under tensor parallel, where `h` is a DTensor on its
     mesh or a plain tensor: this rank's sequence shard (`sequence_sharded`, dim 1) or the whole
     batch. `labels` [...] (IGNORE skipped), as `h` would be gathered. mean_over: "targets"
-    (F.cross_entropy's mean) or "positions" (the sum over targets / all positions:
-    data.mask_eod_loss). `keep`: the gradients survive backward (for more than one backward
+    (F.cross_entropy's mean), "positions" (the sum over targets / all positions:
+    data.mask_eod_loss) or "sum" (training.objective = "sft" scales it). `keep`: the gradients survive backward (for more than one backward
     through this loss, as split-backward pipeline schedules run), at the cost of a copy."""
     group, vocab_start = None, 0
     if hasattr(weight, "device_mesh"):
@@ -123,8 +123,10 @@ def linear_cross_entropy(h, weight, labels, mean_over: str = "targets", sequence
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     if use_triton is None:
         use_triton = h2.is_cuda and group is None and _triton_available()
-    denom = (y != IGNORE).sum().clamp_min(1).float() if mean_over == "targets" else \
-        torch.tensor(float(y.numel()), device=y.device)
+    if mean_over == "targets":
+        denom = (y != IGNORE).sum().clamp_min(1).float()
+    else:  # "positions": / every position (data.mask_eod_loss); "sum": the plain sum (sft scales it itself)
+        denom = torch.tensor(float(y.numel()) if mean_over == "positions" else 1.0, device=y.device)
     need_grad = torch.is_grad_enabled() and (h2.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(h2, weight, y, denom, vocab_start, group,
                                      chunk or chunk_rows(weight.shape[0], h2.shape[0]), use_triton, need_grad, keep)

@@ -21,14 +21,20 @@ def header_lines(tr) -> list[str]:
         name = f"{c.model.name}/{c.model.flavor}"
     src = tr.train_set.src
     n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
+    if c.training.objective == "sft":
+        data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer, chat template "
+                     f"{tr.train_set.template_name}): {tr.train_set.windows.describe()}; validation "
+                     f"{'on' if c.validation.enable else 'off'}")
+    else:
+        data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
+                     f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}")
     return [
         f"torchmeg {__version__} | torch {torch.__version__} | run '{c.job.name}' -> {c.run_dir}",
         f"model      {name}: {n / 1e6:.2f}M params ({dense / 1e6:.2f}M non-embedding"
         + (f", {active / 1e6:.2f}M active per token" if active != n else "")
         + f"), {a.n_layers} layers, dim {a.dim}, heads {a.n_heads}/{a.kv_heads}, vocab {a.vocab_size}; "
         f"{tr.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}",
-        f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
-        f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}",
+        data_line,
         f"layout     {d.describe()} | {tr.device.type} ({dist.get_backend()}) | {c.training.mixed_precision}"
         + (" | glibc keeps freed memory" if runtime.FREED_MEMORY_KEPT else "")
         + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
@@ -48,6 +54,9 @@ def header_lines(tr) -> list[str]:
 def _loss_line(cfg, built, layout) -> str:
     what = ("cross-entropy summed over targets / all positions (end-of-document targets masked)"
             if cfg.data.mask_eod_loss else "cross-entropy, mean over targets")
+    if cfg.training.objective == "sft":
+        what = ("sft: cross-entropy over the " + ("tokens" if cfg.data.train_on_prompt else "assistant tokens")
+                + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")
     if cfg.training.fused_linear_cross_entropy:
         vocab = layout.args.vocab_size // layout.dims.tp
         return (f"{what}; fused with the LM head '{layout.spec.head}' (torchmeg.kernels.fused_ce): logits of at most "

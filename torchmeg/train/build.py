@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 from torch.profiler import record_function
 
-from torchmeg.kernels.fused_ce import linear_cross_entropy
+from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
 from torchmeg.config.layout import Layout
 from torchmeg.models.args import instantiate
 from torchmeg.models.init import materialize
@@ -46,14 +46,40 @@ def cross_entropy_masked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / labels.numel()
 
 
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+class GlobalTargetMean:
+    """training.objective = "sft": a microbatch's loss is its cross-entropy SUMMED over its targets,
+    times `scale` = (ranks its gradients are averaged over x loss calls the step divides by) / (targets
+    in the whole global batch), set before each step by `count_targets`. So every target token of the
+    global batch weighs the same, whatever rank and microbatch it lands in: a per-microbatch mean would
+    weigh a token of a microbatch with few targets more, and differently in every layout and
+    accumulation. `sum_fn` (the eager or compiled sum) is kept apart so the compiled part never sees
+    the per-step scale."""
+
+    def __init__(self, sum_fn: Callable):
+        self.sum_fn, self.scale = sum_fn, None
+
+    def __call__(self, out, labels):
+        if self.scale is None:
+            raise RuntimeError("GlobalTargetMean: count_targets() sets the scale before the first loss")
+        return self.sum_fn(out, labels) * self.scale
+
+
 def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
     """The recipe's loss over the model's output. With training.fused_linear_cross_entropy the
     model ends at its final norm and the loss applies the LM head (built.head, its weight read at
     every call: FSDP's unsharded one after the forward) chunk by chunk: torchmeg.kernels.fused_ce."""
+    sft = cfg.training.objective == "sft"
     if built is not None and built.head is not None:
         module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
-        mean_over = "positions" if cfg.data.mask_eod_loss else "targets"
-        return lambda h, labels: linear_cross_entropy(h, module.weight, labels, mean_over, sp, keep)
+        mean_over = "sum" if sft else "positions" if cfg.data.mask_eod_loss else "targets"
+        fused = lambda h, labels: linear_cross_entropy(h, module.weight, labels, mean_over, sp, keep)  # noqa: E731
+        return GlobalTargetMean(fused) if sft else fused
+    if sft:
+        return GlobalTargetMean(cross_entropy_sum)
     return cross_entropy_masked if cfg.data.mask_eod_loss else cross_entropy
 
 
@@ -71,6 +97,7 @@ class BuiltModel:
     head: nn.Module | None = None  # the LM head the loss applies (fused linear + CE; on the last stage)
     head_sequence_sharded: bool = False  # the model's output is this rank's sequence shard (TP + SP)
     split_backward: bool = False  # a pipeline schedule that backpropagates twice (inputs, then weights)
+    loss_fn: Callable | None = None  # the loss the pipeline schedule calls (under PP)
 
 
 def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
@@ -114,8 +141,9 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
                        report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc,
                        split_backward=pl.splits_backward(cfg, dims), **head)
     if schedule:
+        built.loss_fn = loss_fn or loss_function(cfg, built)
         built.schedule = pl.build_schedule(parts, ids, st.n_stages, device, mesh["pp"].get_group(), st.microbatches,
-                                           loss_fn or loss_function(cfg, built), st.schedule)
+                                           built.loss_fn, st.schedule)
     return built
 
 
@@ -136,14 +164,22 @@ class ModelStep:
     has_last: bool
     pp_group: object
     wants_labels: bool = False  # the model takes the labels too (DeepSeek-V3's MTP modules)
+    targets: GlobalTargetMean | None = None  # sft: the loss whose scale count_targets sets each step
+    loss_group: object = None  # dp x cp: the ranks whose gradients are averaged (with `targets`)
+    micro: int = 1  # loss calls per step under PP (the schedule's microbatches)
 
     @classmethod
-    def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy) -> "ModelStep":
+    def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy,
+           loss_group=None) -> "ModelStep":
         """`loss_fn`: build.loss_function(cfg, built), or a compiled one (the schedule has its own).
-        A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off."""
+        A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off. A
+        GlobalTargetMean (sft) gets its scale each step from the target count over `loss_group`."""
+        sft = isinstance(loss_fn, GlobalTargetMean)
         return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
-                   mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None)
+                   mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None,
+                   targets=loss_fn if sft else None, loss_group=loss_group,
+                   micro=layout.stages.microbatches if layout.stages is not None else 1)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
@@ -163,6 +199,22 @@ class ModelStep:
         return loss_parallel_ctx() if self.loss_parallel else contextlib.nullcontext()
 
 
+def count_targets(ms: ModelStep, batches) -> None:
+    """sft: the global batch's target count (this rank's from its host-side labels, summed over the
+    dp x cp group, each cp rank having counted the same whole sequences) sets the loss scale. One
+    small all-reduce and one host read per step, before the forward."""
+    if ms.targets is None:
+        return
+    n = torch.tensor([float(sum(int((b[1] != IGNORE).sum()) for b in batches))], device=ms.device)
+    world = 1
+    if ms.loss_group is not None:
+        dist.all_reduce(n, group=ms.loss_group)
+        world = dist.get_world_size(ms.loss_group)
+    total = n.item() / ms.cp
+    calls = ms.micro if ms.schedule is not None else ms.accum
+    ms.targets.scale = world * calls / max(total, 1.0)
+
+
 def _scalar(t) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -171,6 +223,7 @@ def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) 
     """Forward and backward over the step's microbatches (gradients accumulate in the parameters)
     -> the sum of this rank's microbatch losses, each divided by accum. `loss_hook(loss) -> loss`
     is applied to each microbatch's loss before its backward (the trainer's test hooks)."""
+    count_targets(ms, batches)
     if ms.schedule is not None:  # the schedule runs every microbatch itself
         with record_function("torchmeg: forward+backward (pipeline schedule)"):
             return pipeline_step(ms, batches, train=True)
@@ -211,6 +264,7 @@ def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
 @torch.no_grad()
 def eval_step(ms: ModelStep, batches, total: torch.Tensor) -> None:
     """Add this step's loss (the mean over its microbatches) on this rank into `total`."""
+    count_targets(ms, batches)
     if ms.schedule is not None:
         total += pipeline_step(ms, batches, train=False)
         return

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
-from torchmeg.train.build import ModelStep, build_parallel_model, forward_backward, loss_function, mean_eval_loss
+from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function, mean_eval_loss
 from torchmeg.checkpoint.manager import CheckpointManager, all_finite
 from torchmeg.parallel.compile import compile_loss, compile_summary
 from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepare_stores
@@ -101,10 +101,13 @@ class Trainer:
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
         self.expert_params = [p for m in expert_modules(self.model) for p in m.parameters()] if self.dims.ep > 1 else []
         self.router_stats = {}
-        loss_fn = loss_function(cfg, built)  # (a fused head + loss stays eager: its chunk loop is already one pass)
-        if cfg.compile.enable and "loss" in cfg.compile.components and built.head is None:
-            loss_fn = compile_loss(loss_fn, cfg.compile.cache_dir)
-        self.step_fn = ModelStep.of(built, layout, self.mesh, self.device, loss_fn)
+        loss_fn = built.loss_fn or loss_function(cfg, built)  # (the schedule's own under PP)
+        if cfg.compile.enable and "loss" in cfg.compile.components and built.head is None:  # (a fused head stays eager)
+            if isinstance(loss_fn, GlobalTargetMean):  # sft: the per-step scale stays outside the graph
+                loss_fn.sum_fn = compile_loss(loss_fn.sum_fn, cfg.compile.cache_dir)
+            else:
+                loss_fn = compile_loss(loss_fn, cfg.compile.cache_dir)
+        self.step_fn = ModelStep.of(built, layout, self.mesh, self.device, loss_fn, self.loss_group)
 
     def _build_optimizer(self) -> None:
         cfg = self.cfg
@@ -134,8 +137,10 @@ class Trainer:
             self.watchdog.end()
         self.scheduler = build_lr_scheduler(self.optimizer, cfg, self.state.step)
         self.init_note = f"from (seed {cfg.job.seed}, parameter name)"
-        if self.ckpt is not None and self.ckpt.loaded_from and self.state.step == 0:  # e.g. torchmeg.convert's
-            self.init_note = f"from the model-only checkpoint {self.ckpt.loaded_from} (step 0)"
+        if self.ckpt is not None and self.ckpt.loaded_from and self.state.step == 0:  # torchmeg.convert's, initial_load_path
+            self.init_note = (f"from the model weights of {self.ckpt.loaded_from} (checkpoint.initial_load_path)"
+                              if self.ckpt.loaded_initial else
+                              f"from the model-only checkpoint {self.ckpt.loaded_from} (step 0)")
         if self.state.step == 0 and cfg.checkpoint.initial_load_hf:
             self._load_hf_weights(cfg.checkpoint.initial_load_hf)
         self.start_step = self.state.step

@@ -15,6 +15,7 @@ from torchmeg.config.checks import check_recipe
 from torchmeg.data.sources import check_data_config
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
+from torchmeg.checkpoint.folder import MARKER, committed_steps
 from torchmeg.config.support import check_supported
 from torchmeg.checkpoint.folder import check_folder
 from torchmeg.checkpoint.hf import check_initial_load
@@ -63,6 +64,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
         check_data_config(cfg)
         if cfg.checkpoint.enable:
             check_folder(cfg)
+        _check_initial_path(cfg)
         check_supported(cfg, dims)
     return layout
 
@@ -107,3 +109,19 @@ def _layout(cfg: Config, world_size: int, dims: ParallelDims, spec, args) -> Lay
     return Layout(world_size=world_size, dims=dims, spec=spec, args=args, seq_len=cfg.data.seq_len,
                   local_batch=t.local_batch_size, accum=accum, global_batch=unit * accum,
                   loss_parallel=dims.uses_loss_parallel(cfg.parallelism), stages=stages)
+
+
+def _check_initial_path(cfg) -> None:
+    """checkpoint.initial_load_path names a committed step folder or a checkpoint folder holding one."""
+    where, c = cfg.checkpoint.initial_load_path, cfg.checkpoint
+    if not where:
+        return
+    if not c.enable:
+        raise ConfigError(f"checkpoint.initial_load_path = {where!r}: needs checkpoint.enable = true (the run's own "
+                          f"checkpoints resume it; the initial weights are read only when there are none)")
+    if c.initial_load_hf:
+        raise ConfigError("checkpoint.initial_load_path and checkpoint.initial_load_hf: give one starting point")
+    if not (os.path.isfile(os.path.join(where, MARKER)) or (os.path.isdir(where) and committed_steps(where))):
+        raise ConfigError(f"checkpoint.initial_load_path = {where!r}: no committed checkpoint there (a step-* folder "
+                          f"or a checkpoint folder holding one); train the model it names first, or set it to \"\"")
+

@@ -1,0 +1,150 @@
+"""A fork server for the suite's CLI runs (as Android's zygote, or multiprocessing's forkserver).
+
+Each `python -m torchmeg.train` the suite starts spends ~2.4 s of its ~3 s importing torch,
+torch.distributed (which pulls in dynamo) and torchmeg, and ~0.3 s training: the suite's time is
+its number of process launches. This server imports all of that once and forks a child per run,
+which then runs the module exactly as `python -m` would (`runpy`, `__main__`, sys.argv), with the
+requested environment, working folder and output files. It does no tensor work before forking,
+so nothing a run reads lazily (ATen's CPU capability, MKL's and OpenMP's thread counts, oneDNN's
+ISA) is fixed by the server, except what torch reads at import; so the client (`tests/conftest.py`)
+sends a run to a server started with the same environment but for keys read at run time
+(`RUNTIME_KEYS`): one server per such environment (a few at most; past that, fresh interpreters).
+
+Protocol, one Unix-socket connection per run: the client sends one JSON line {module, args, env,
+cwd, stdout, stderr}; the server answers {"pid": N} when the child is forked and {"rc": R} when it
+has exited (R < 0: killed by signal -R, as subprocess reports it).
+
+    python tests/zygote.py SOCKET_PATH
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+# Environment keys a run may set differently from its server's: read when the run needs them, never
+# at import. The rest of the environment is the server's identity (`import_key`): a run goes to a
+# server started with exactly those values (OMP_NUM_THREADS, for one, is read when torch is imported).
+RUNTIME_KEYS = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+    "PYTHONUNBUFFERED",  # the server's streams are unbuffered already
+    "TORCHMEG_CACHE", "TORCHMEG_RECORD_OPS",
+    "PYTEST_CURRENT_TEST",  # pytest rewrites it for every test
+})
+RUNTIME_PREFIXES = ("TORCHMEG_TEST_",)
+
+
+def import_key(env: dict) -> tuple:
+    """The part of an environment a process may read at import: two runs with the same key behave in
+    a fork of one server as they would in fresh interpreters."""
+    return tuple(sorted((k, v) for k, v in env.items()
+                        if k not in RUNTIME_KEYS and not k.startswith(RUNTIME_PREFIXES)))
+
+
+def _child(req: dict, listener: socket.socket, conns) -> None:
+    """In the forked child: become the requested `python -m MODULE ARGS` and never return."""
+    code = 1
+    try:
+        listener.close()
+        for c in conns:
+            c.close()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        sys.path[0] = os.getcwd()  # as `python -m` sets it (the server's is tests/)
+        import runpy
+        sys.argv = [req["module"]] + list(req["args"])
+        try:
+            runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            code = 1
+        import atexit
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    # What every run imports; done before the first fork so each child starts with it in memory.
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torchmeg.train.cli  # noqa: F401
+    import torchmeg.train.trainer  # noqa: F401
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    buffers: dict[socket.socket, bytes] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    while True:
+        for key, _ in sel.select(timeout=0.02):
+            sock = key.fileobj
+            if sock is listener:
+                conn, _ = listener.accept()
+                buffers[conn] = b""
+                sel.register(conn, selectors.EVENT_READ)
+                continue
+            data = sock.recv(1 << 20)
+            if not data:  # the client went away before asking
+                sel.unregister(sock)
+                buffers.pop(sock, None)
+                sock.close()
+                continue
+            buffers[sock] += data
+            if not buffers[sock].endswith(b"\n"):
+                continue
+            req = json.loads(buffers.pop(sock))
+            sel.unregister(sock)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(req, listener, list(children.values()) + [sock])
+            children[pid] = sock
+            sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sock = children.pop(pid, None)
+            if sock is not None:
+                rc = os.waitstatus_to_exitcode(status)
+                try:
+                    sock.sendall(json.dumps({"rc": rc}).encode() + b"\n")
+                except OSError:
+                    pass
+                sock.close()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
