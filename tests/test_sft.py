@@ -333,3 +333,26 @@ def test_chat_parquet_reads_like_jsonl_and_a_damaged_file_is_named(tmp_path):
                         "--data.seq_len=128"], tmp_path, check=False)
     errors = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(errors) == 1 and str(bad) in errors[0] and "Parquet" in errors[0], p.stderr
+
+
+def test_initial_load_path_starts_from_another_runs_weights_only(tmp_path):
+    """checkpoint.initial_load_path: with lr 0 the first validation equals the source run's last one
+    (its final weights, exactly); step, optimizer and data start anew; a restart resumes the run's own
+    checkpoint, not the initial weights again; bad settings fail before launch."""
+    base = TINY + ["--checkpoint.enable=true", "--checkpoint.interval=1"]
+    run_cli(base + ["--training.steps=3"], tmp_path, name="src")
+    src_val = [r for r in read_metrics(tmp_path, "src") if "val_loss" in r][-1]["val_loss"]
+    ft = base + ["--optimizer.lr=0", f"--checkpoint.initial_load_path={tmp_path / 'src' / 'checkpoint'}"]
+    p = run_cli(ft + ["--training.steps=1"], tmp_path, name="ft")
+    assert "from the model weights of" in p.stdout and "step-00000003" in p.stdout, p.stdout[:2000]
+    first = read_metrics(tmp_path, "ft")
+    assert [r["step"] for r in first] == [1]
+    assert_close(first[0]["val_loss"], src_val, FP32_PARITY, "val_loss from the loaded weights")
+    p = run_cli(ft + ["--training.steps=2"], tmp_path, name="ft")  # resumes its own step 1
+    assert "from the model weights of" not in p.stdout
+    assert [r["step"] for r in read_metrics(tmp_path, "ft")][-1] == 2
+    for extra, why in (([f"--checkpoint.initial_load_path={tmp_path / 'none'}"], "no committed checkpoint there"),
+                       (["--checkpoint.enable=false", f"--checkpoint.initial_load_path={tmp_path / 'src' / 'checkpoint'}"],
+                        "needs checkpoint.enable = true")):
+        p = run_cli(base + extra, tmp_path, name="bad", check=False)
+        assert p.returncode == 2 and why in p.stderr, p.stderr[-2000:]
