@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from torchmeg.checkpoint.manager import all_finite
 from torchmeg.config.errors import ConfigError
 
 _NAMES = [  # torchmeg pattern -> HF pattern
@@ -374,3 +375,18 @@ def check_initial_load(cfg, hf_native: bool) -> None:
                           f"{cfg.model.name!r} with tools/convert_hf.py")
     if not os.path.isdir(folder) or not any(f.endswith(".safetensors") for f in os.listdir(folder)):
         raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: not a directory holding .safetensors files")
+
+
+def load_initial_hf(model, whole, folder: str) -> str:
+    """checkpoint.initial_load_hf: a fresh run starts from Hugging Face safetensors (each rank reads its
+    shards only); the weights must be finite, like a resumed checkpoint's. -> the header's init note."""
+    model_class = getattr(whole, "hf_class", type(whole).__name__)
+    try:
+        n = load_hf_native(model, folder)
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank errors; one line names the folder
+        msg = str(e).strip().splitlines()
+        raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: cannot load it into "
+                          f"{model_class} ({msg[-1] if msg else type(e).__name__})") from None
+    if not all_finite(model.parameters()):  # all-reduced: every rank stops alike
+        raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: non-finite values in the weights")
+    return f"from Hugging Face weights in {folder} ({n} tensors)"

@@ -38,10 +38,11 @@ class Layout:
     global_batch: int         # sequences per step, all ranks: local_batch x dp x accum
     loss_parallel: bool       # cross entropy on vocab-sharded logits
     stages: StagePlan | None  # None without pipeline parallel
+    rows_per_sample: int = 1  # sequences the model runs per sample: 2 for a dpo pair (chosen, rejected)
 
     @property
     def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
+        return self.global_batch * self.seq_len * self.rows_per_sample
 
     @property
     def microbatches(self) -> int:

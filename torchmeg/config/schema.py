@@ -73,20 +73,20 @@ class Data:
                                            "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
     mask_eod_loss: bool = _f(False, help="no loss on predicting a document's first token from the previous "
                                         "document's end (Megatron's --eod-mask-loss)")
-    chat_template: str = _f("", help="training.objective = 'sft': the tokenizer folder's own template when ''; a "
-                                     "built-in name (chatml, llama3), a tokenizer folder or a .jinja file")
+    chat_template: str = _f("", help="sft/dpo: '' = the tokenizer folder's own; chatml, llama3, a folder or a .jinja")
     train_on_prompt: bool = _f(False, help="sft: every token is a target, not only the assistant turns")
-    long_conversations: str = _f("truncate", choices=["truncate", "drop"],
-                                 help="sft: a conversation longer than seq_len keeps its first seq_len tokens, or "
-                                      "is left out (both counted in the log)")
+    long_conversations: str = _f("truncate", choices=["truncate", "drop"], help="sft: longer than seq_len: cut or left out")
 
 
 @dataclass
 class Training:
-    objective: str = _f("pretrain", choices=["pretrain", "sft"],
+    objective: str = _f("pretrain", choices=["pretrain", "sft", "dpo"],
                         help="pretrain: next-token loss over every token; sft: chat data (data.dataset = .jsonl / "
                              ".parquet conversations or python_stdlib_chat), loss on the assistant tokens only, "
-                             "averaged over the whole global batch's targets")
+                             "averaged over the whole global batch's targets; dpo: preference pairs (prompt, "
+                             "chosen, rejected; or python_stdlib_pairs) against the starting weights")
+    dpo_beta: float = _f(0.1, lo=0.0, help="dpo: the KL weight beta")
+    dpo_loss_type: str = _f("sigmoid", choices=["sigmoid", "ipo"], help="dpo: TRL's loss_type of the same name")
     steps: int = _f(200, lo=1)
     local_batch_size: int = _f(8, lo=1)
     global_batch_size: int = _f(-1, lo=-1)

@@ -192,16 +192,17 @@ def token_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
-                        train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                        train_on_prompt: bool = False, last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(ids, target mask) of one conversation: ids as transformers' apply_chat_template(tokenize=True)
     gives them; mask[i] = 1 where token i is a training target (any character of it inside an
-    assistant span; every token with `train_on_prompt`)."""
+    assistant span, or only the last one's with `last_only`; every token with `train_on_prompt`)."""
     text = template.render(messages)
     ids, offsets = token_offsets(tokenizer, text)
     if train_on_prompt:
         return ids, np.ones(len(ids), dtype=np.uint8)
     mask = np.zeros(len(ids), dtype=np.uint8)
-    for a, b in template.target_spans(messages, text):
+    spans = template.target_spans(messages, text)
+    for a, b in spans[-1:] if last_only else spans:  # last_only: the final answer (DPO's completion)
         mask |= ((offsets[:, 0] < b) & (offsets[:, 1] > a)).astype(np.uint8)
     return ids, mask
 

@@ -36,38 +36,41 @@ _FORMAT = "chat-v1"  # bump when the cached arrays' meaning changes
 
 # ---- records ------------------------------------------------------------------------------------
 
-def read_records(path: str):
-    """Yield (where, messages) for each record of a chat file; `where` is 'file:line' or 'file:row'.
-    Raises ChatDataError naming the file (and record) for anything unreadable."""
+def read_json_records(path: str):
+    """Yield (where, record) of a .jsonl file (a JSON value per non-blank line; where = 'file:line') or
+    a .parquet file (each row as a dict; where = 'file:row N'). Anything unreadable: ChatDataError
+    naming the file (and the line)."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq  # lazy: an optional extra (data), for Parquet input only
+            rows = pq.read_table(path).to_pylist()
         except ImportError:
             raise ChatDataError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
-        try:
-            table = pq.read_table(path, columns=["messages"])
         except Exception as e:  # pyarrow raises several types for damaged files
-            raise ChatDataError(f"{path}: not a readable Parquet file with a 'messages' column ({e})") from None
-        for row, messages in enumerate(table.column("messages").to_pylist()):
-            where = f"{path}:row {row}"
-            yield where, check_messages(messages, where)
+            raise ChatDataError(f"{path}: not a readable Parquet file ({e})") from None
+        for row, record in enumerate(rows):
+            yield f"{path}:row {row}", record
         return
     try:
         fh = open(path, encoding="utf-8")
     except OSError as e:
         raise ChatDataError(f"{path}: cannot be read ({e.strerror})") from None
     with fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ChatDataError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(record, dict) or "messages" not in record:
-                raise ChatDataError(f"{where}: a record needs a 'messages' list")
-            yield where, check_messages(record["messages"], where)
+        for n, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ChatDataError(f"{path}:{n}: not JSON ({e.msg} at column {e.colno})") from None
+                yield f"{path}:{n}", record
+
+
+def read_records(path: str):
+    """Yield (where, messages) for each record of a chat file, checked (torchmeg.data.chat.check_messages)."""
+    for where, record in read_json_records(path):
+        if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+            raise ChatDataError(f"{where}: a record needs a 'messages' list")
+        yield where, check_messages(record["messages"], where)
 
 
 def stdlib_conversations() -> list[list[dict]]:

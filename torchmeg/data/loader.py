@@ -9,6 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchmeg.data.chat import ChatDataError, chat_template
 from torchmeg.data.chat_data import ChatDataset, ChatWindows, tokenize_conversations
 from torchmeg.data.dataset import StepSampler, TokenDataset
+from torchmeg.data.pairs import PairDataset, Pairs
 from torchmeg.data.sources import BUILTIN, cache_dir, dataset_list, resolve, stdlib_prefix
 from torchmeg.data.store import exists, open_store
 from torchmeg.config.errors import ConfigError, StoreError
@@ -30,6 +31,11 @@ def open_chat(cfg, tokenizer):
 def open_stores(cfg, tokenizer) -> list:
     if cfg.training.objective == "sft":
         return [open_chat(cfg, tokenizer)]
+    if cfg.training.objective == "dpo":
+        try:
+            return [Pairs(dataset_list(cfg), chat_template(cfg), tokenizer)]
+        except ChatDataError as e:
+            raise ConfigError(f"data.dataset: {e}") from None
     stores = []
     for n in dataset_list(cfg):
         try:
@@ -45,9 +51,9 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
     node's cache, once per node (local rank 0 calls this; the node's other ranks wait). -> one note
     per built-in corpus: where it is, built now (and in how long) or found."""
     notes = []
-    if cfg.training.objective == "sft":
+    if cfg.training.objective in ("sft", "dpo"):
         t0 = time.perf_counter()
-        open_chat(cfg, tokenizer)  # tokenized into the cache once, here
+        open_stores(cfg, tokenizer)  # chat data: tokenized into the cache once, here; pairs: checked
         return [f"chat conversations tokenized or found in {time.perf_counter() - t0:.1f} s"]
     for n in dataset_list(cfg):
         if n in BUILTIN:
@@ -61,6 +67,11 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
 
 def build_dataset(cfg, stores, split: str):
     d = cfg.data
+    if cfg.training.objective == "dpo":
+        try:
+            return PairDataset(stores[0], d.seq_len, cfg.job.seed, split, d.val_fraction)
+        except ChatDataError as e:
+            raise ConfigError(f"data.dataset: {e}") from None
     if cfg.training.objective == "sft":
         try:
             windows = ChatWindows(stores[0], d.seq_len, split, d.val_fraction, d.long_conversations, pad_id=0)
@@ -76,4 +87,5 @@ def build_loader(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, s
     """Batches of this dp rank, in step order; its state_dict() can be checkpointed."""
     sampler = StepSampler(local_batch, dp, dp_rank, accum, start_step, steps, sample_offset)
     return StatefulDataLoader(dataset, batch_size=local_batch, sampler=sampler, num_workers=num_workers,
-                              drop_last=True, persistent_workers=num_workers > 0)
+                              drop_last=True, persistent_workers=num_workers > 0,
+                              collate_fn=getattr(dataset, "collate", None))  # (pairs: rows interleaved)

@@ -13,6 +13,7 @@ from torchmeg.config.errors import ConfigError, StoreError
 
 BUILTIN = ("python_stdlib",)
 BUILTIN_CHAT = "python_stdlib_chat"  # sft's built-in conversations (torchmeg.data.chat_data)
+BUILTIN_PAIRS = "python_stdlib_pairs"  # dpo's built-in preference pairs (torchmeg.data.pairs)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -80,17 +81,21 @@ def check_data_config(cfg) -> None:
     names = dataset_list(cfg)
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: give \"python_stdlib\", a .bin/.idx prefix, or a list of them")
-    if cfg.training.objective == "sft":
+    objective = cfg.training.objective
+    if objective in ("sft", "dpo"):
+        builtin, what = ((BUILTIN_CHAT, "chat files (.jsonl or .parquet of {\"messages\": [...]})") if objective == "sft"
+                         else (BUILTIN_PAIRS, "preference pairs (.jsonl or .parquet of {\"prompt\", \"chosen\", "
+                                              "\"rejected\"})"))
         for n in names:
-            if n != BUILTIN_CHAT and not (n.endswith((".jsonl", ".json", ".parquet")) and os.path.isfile(n)):
-                raise ConfigError(f"data.dataset = {n!r}: training.objective = \"sft\" reads chat files (.jsonl or "
-                                  f".parquet of {{\"messages\": [...]}}) or \"{BUILTIN_CHAT}\"; no such file")
+            if n != builtin and not (n.endswith((".jsonl", ".json", ".parquet")) and os.path.isfile(n)):
+                raise ConfigError(f"data.dataset = {n!r}: training.objective = \"{objective}\" reads {what} or "
+                                  f"\"{builtin}\"; no such file")
         if cfg.data.weights:
-            raise ConfigError("data.weights: sft reads its chat files in full, one after another; leave weights empty")
+            raise ConfigError(f"data.weights: {objective} reads its files in full, one after another; leave weights empty")
         return
-    if BUILTIN_CHAT in names or any(n.endswith((".jsonl", ".parquet")) for n in names):
-        raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: chat data trains with training.objective = \"sft\"; "
-                          f"pretraining reads .bin/.idx stores (tools/preprocess_data.py) or \"python_stdlib\"")
+    if {BUILTIN_CHAT, BUILTIN_PAIRS} & set(names) or any(n.endswith((".jsonl", ".parquet")) for n in names):
+        raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: chat data trains with training.objective = \"sft\" "
+                          f"(pairs: \"dpo\"); pretraining reads .bin/.idx stores (tools/preprocess_data.py) or \"python_stdlib\"")
     w = cfg.data.weights
     if w and len(w) != len(names):
         raise ConfigError(f"data.weights = {w!r}: needs {len(names)} weights, one per data.dataset entry")

@@ -137,6 +137,8 @@ def format_line(r: dict) -> str:
         s += f" | experts max/mean {r['moe_imbalance']:.2f}"
     if "mtp_loss" in r:
         s += f" | mtp_loss {r['mtp_loss']:.4f}"
+    if "dpo_margin" in r:
+        s += f" | margin {r['dpo_margin']:.3f} | acc {r['dpo_accuracy']:.2f}"
     if "val_loss" in r:
         s += f" | val_loss {r['val_loss']:.4f}"
     if r.get("loss_spike"):

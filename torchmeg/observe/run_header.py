@@ -21,7 +21,11 @@ def header_lines(tr) -> list[str]:
         name = f"{c.model.name}/{c.model.flavor}"
     src = tr.train_set.src
     n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
-    if c.training.objective == "sft":
+    unit = "pairs" if layout.rows_per_sample == 2 else "seq"
+    if c.training.objective == "dpo":
+        data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {tr.train_set.describe()}; "
+                     f"validation {'on' if c.validation.enable else 'off'}; {tr.dpo_note}")
+    elif c.training.objective == "sft":
         data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer, chat template "
                      f"{tr.train_set.template_name}): {tr.train_set.windows.describe()}; validation "
                      f"{'on' if c.validation.enable else 'off'}")
@@ -41,8 +45,8 @@ def header_lines(tr) -> list[str]:
         *_node_lines(d),
         f"parallel   {tr.built.report}",
         f"init       {tr.init_note}",
-        f"batch      {layout.local_batch} seq x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
-        f"seq = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
+        f"batch      {layout.local_batch} {unit} x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
+        f"{unit} = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
         f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
         f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
         f"clip {c.training.max_norm:g}",
@@ -54,6 +58,10 @@ def header_lines(tr) -> list[str]:
 def _loss_line(cfg, built, layout) -> str:
     what = ("cross-entropy summed over targets / all positions (end-of-document targets masked)"
             if cfg.data.mask_eod_loss else "cross-entropy, mean over targets")
+    if cfg.training.objective == "dpo":
+        t = cfg.training
+        return (f"dpo ({t.dpo_loss_type}, beta {t.dpo_beta:g}): answer log-probs against those of the starting "
+                f"weights; mean over the global batch's pairs" + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else ""))
     if cfg.training.objective == "sft":
         what = ("sft: cross-entropy over the " + ("tokens" if cfg.data.train_on_prompt else "assistant tokens")
                 + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")

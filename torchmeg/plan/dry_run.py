@@ -31,7 +31,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchmeg.train.build import ModelStep, build_parallel_model, forward_backward, loss_function
+from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
+from torchmeg.train.dpo import DPOLoss
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
@@ -230,11 +231,17 @@ def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
         if dims.pp > 1:
             return _plan_pipeline_ranks(cfg, layout, mesh, built, opt, labels, pp_ranks)
         L, B, vocab = layout.seq_len, layout.local_batch, layout.args.vocab_size
-        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (B, L)), torch.randint(0, vocab, (B, L))),
+        R = B * layout.rows_per_sample  # dpo: a pair is two rows (and its pair number rides along)
+        pair_ids = (torch.zeros(B, dtype=torch.int64),) if layout.rows_per_sample == 2 else ()
+        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *pair_ids),
                                   layout.accum)
+        loss = loss_function(cfg, built)
+        if isinstance(loss, DPOLoss):
+            loss.table = torch.zeros(1, 2, dtype=torch.float64)  # reference log-probs: values do not change the plan
+        if isinstance(loss, GlobalTargetMean):
+            loss.scale = 1.0  # sft: fake labels have no count to read; the scale is one number either way
         # The trainer's own microbatch loop, over the (at most three) microbatches planned.
-        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss_function(cfg, built)),
-                                 accum=len(batches))
+        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss), accum=len(batches), targets=None)
         loss_group = mesh["dp_cp"].get_group()
         step = _step(lambda: dist.all_reduce(forward_backward(ms, batches), group=loss_group), model, opt, [])
         state = _create_optimizer_state(model, opt)
@@ -289,6 +296,8 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
             x = torch.randn(mb, L // (dims.tp if sp else 1), dim, dtype=act_dtype, requires_grad=True)
         y = torch.randint(0, vocab, (mb, L))
         last = loss_function(cfg, built) if sid == n_stages - 1 else None
+        if isinstance(last, GlobalTargetMean):
+            last.scale = 1.0  # sft: as above
         fm = _measure_forward(part, opt, labels, x, last, y, n_micro)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).

@@ -32,6 +32,7 @@ from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.context import shard_sequence
 from torchmeg.parallel.parallelize import describe_report, parallelize, reshard_after_forward
 from torchmeg.parallel.shards import local_block
+from torchmeg.train.dpo import DPOLoss
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -73,6 +74,8 @@ def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
     model ends at its final norm and the loss applies the LM head (built.head, its weight read at
     every call: FSDP's unsharded one after the forward) chunk by chunk: torchmeg.kernels.fused_ce."""
     sft = cfg.training.objective == "sft"
+    if cfg.training.objective == "dpo":  # (the fused head is refused with dpo: it needs per-row log-probs)
+        return DPOLoss(cfg.training.dpo_beta, cfg.training.dpo_loss_type)
     if built is not None and built.head is not None:
         module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
         mean_over = "sum" if sft else "positions" if cfg.data.mask_eod_loss else "targets"
@@ -167,6 +170,7 @@ class ModelStep:
     targets: GlobalTargetMean | None = None  # sft: the loss whose scale count_targets sets each step
     loss_group: object = None  # dp x cp: the ranks whose gradients are averaged (with `targets`)
     micro: int = 1  # loss calls per step under PP (the schedule's microbatches)
+    pairs: DPOLoss | None = None  # dpo: the loss, told each microbatch's pair numbers (batch[2])
 
     @classmethod
     def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy,
@@ -179,6 +183,7 @@ class ModelStep:
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
                    mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None,
                    targets=loss_fn if sft else None, loss_group=loss_group,
+                   pairs=loss_fn if isinstance(loss_fn, DPOLoss) else None,
                    micro=layout.stages.microbatches if layout.stages is not None else 1)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -190,7 +195,7 @@ class ModelStep:
         """The model's keyword inputs of a batch: document numbers under document masking, whole
         (context parallel picks its chunks' own; positions come from them); the labels for a model
         that predicts further ahead (MTP)."""
-        kw = {"documents": batch[2].to(self.device)} if len(batch) > 2 else {}
+        kw = {"documents": batch[2].to(self.device)} if len(batch) > 2 and self.pairs is None else {}
         if self.wants_labels:
             kw["labels"] = self.local(batch[1])
         return kw
@@ -230,6 +235,8 @@ def forward_backward(ms: ModelStep, batches, loss_hook: Callable | None = None) 
     loss_sum = torch.zeros((), device=ms.device)
     for m, batch in enumerate(batches):
         inputs, labels = ms.local(batch[0]), ms.local(batch[1])
+        if ms.pairs is not None:
+            ms.pairs.see(batch)
         if hasattr(ms.model, "set_requires_gradient_sync"):
             # Reduce gradients once, after the last microbatch.
             ms.model.set_requires_gradient_sync(m == ms.accum - 1)
@@ -269,6 +276,8 @@ def eval_step(ms: ModelStep, batches, total: torch.Tensor) -> None:
         total += pipeline_step(ms, batches, train=False)
         return
     for batch in batches:
+        if ms.pairs is not None:
+            ms.pairs.see(batch)
         with ms.loss_context():
             loss = ms.loss_fn(ms.model(ms.local(batch[0]), **ms.extra(batch)), ms.local(batch[1]))
         total += _scalar(loss).float() / ms.accum

@@ -20,14 +20,14 @@ from torch.profiler import record_function
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function, mean_eval_loss
-from torchmeg.checkpoint.manager import CheckpointManager, all_finite
+from torchmeg.checkpoint.manager import CheckpointManager
 from torchmeg.parallel.compile import compile_loss, compile_summary
 from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepare_stores
 from torchmeg.data.sources import cache_dir
 from torchmeg.data.tokenizer import build_tokenizer
-from torchmeg.config.errors import ConfigError, LossSpikeError
+from torchmeg.config.errors import LossSpikeError
 from torchmeg.parallel.float8 import precompute_scales
-from torchmeg.checkpoint.hf import export_hf, load_hf_native
+from torchmeg.checkpoint.hf import export_hf, load_initial_hf
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import MetricsLogger, format_line, model_state_bytes, peak_memory_gib
 from torchmeg.models.count import flops_per_token
@@ -41,6 +41,7 @@ from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
 from torchmeg.train.spike import SpikeGuard, batch_samples
 from torchmeg.train.state import TrainState
+from torchmeg.train.dpo import prepare_reference
 from torchmeg.train.validate import validate
 
 
@@ -53,6 +54,7 @@ class Trainer:
         self._build_model()
         self._build_optimizer()
         self._resume()
+        self.dpo_note = prepare_reference(self) if self.step_fn.pairs is not None else None  # dpo: step 0's log-probs
         self._build_loader()
 
     # ---- set-up, in order ---------------------------------------------------------------------
@@ -142,22 +144,8 @@ class Trainer:
                               if self.ckpt.loaded_initial else
                               f"from the model-only checkpoint {self.ckpt.loaded_from} (step 0)")
         if self.state.step == 0 and cfg.checkpoint.initial_load_hf:
-            self._load_hf_weights(cfg.checkpoint.initial_load_hf)
+            self.init_note = load_initial_hf(self.model, self.built.whole, cfg.checkpoint.initial_load_hf)
         self.start_step = self.state.step
-
-    def _load_hf_weights(self, folder: str) -> None:
-        """checkpoint.initial_load_hf: a fresh run starts from Hugging Face safetensors (each rank
-        reads its shards only); the weights must be finite, like a resumed checkpoint's."""
-        model_class = getattr(self.built.whole, "hf_class", type(self.built.whole).__name__)
-        try:
-            n = load_hf_native(self.model, folder)
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-rank errors; one line names the folder
-            msg = str(e).strip().splitlines()
-            raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: cannot load it into "
-                              f"{model_class} ({msg[-1] if msg else type(e).__name__})") from None
-        if not all_finite(self.model.parameters()):  # all-reduced: every rank stops alike
-            raise ConfigError(f"checkpoint.initial_load_hf = {folder!r}: non-finite values in the weights")
-        self.init_note = f"from Hugging Face weights in {folder} ({n} tensors)"
 
     def _build_loader(self) -> None:
         cfg, layout = self.cfg, self.layout
@@ -195,6 +183,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._route_stats_and_balance()
+        if self.step_fn.pairs is not None:  # dpo: the step's rewards, margin, accuracy
+            self.router_stats.update(self.step_fn.pairs.step_metrics(self.loss_group))
         return loss_val, gn, stepped
 
     def _forward_backward(self, batches) -> torch.Tensor:

@@ -59,6 +59,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
         expert.check(cfg, args, dims)
     dims.check_tp(args, cfg)
     _check_deepseek(args, dims)
+    _check_dpo(cfg, dims)
     layout = _layout(cfg, world_size, dims, spec, args)
     if data:
         check_data_config(cfg)
@@ -67,6 +68,19 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
         _check_initial_path(cfg)
         check_supported(cfg, dims)
     return layout
+
+
+def _check_dpo(cfg, dims) -> None:
+    """What training.objective = "dpo" does not take (yet), each refused naming the key."""
+    if cfg.training.objective != "dpo":
+        return
+    for key, value, bad in (("parallelism.pipeline_parallel_degree", dims.pp, dims.pp > 1),
+                            ("parallelism.context_parallel_degree", dims.cp, dims.cp > 1),
+                            ("training.fused_linear_cross_entropy", True, cfg.training.fused_linear_cross_entropy),
+                            ("data.document_masking", True, cfg.data.document_masking)):
+        if bad:
+            raise ConfigError(f"{key} = {value} with training.objective = \"dpo\": not supported (a pair's rows are "
+                              f"whole sequences scored by their summed log-probs); use TP, FSDP/HSDP/DDP or EP")
 
 
 def _check_deepseek(args, dims) -> None:
@@ -108,7 +122,8 @@ def _layout(cfg: Config, world_size: int, dims: ParallelDims, spec, args) -> Lay
                            pipeline.microbatches(cfg, dims.pp, v, accum))
     return Layout(world_size=world_size, dims=dims, spec=spec, args=args, seq_len=cfg.data.seq_len,
                   local_batch=t.local_batch_size, accum=accum, global_batch=unit * accum,
-                  loss_parallel=dims.uses_loss_parallel(cfg.parallelism), stages=stages)
+                  loss_parallel=dims.uses_loss_parallel(cfg.parallelism), stages=stages,
+                  rows_per_sample=2 if cfg.training.objective == "dpo" else 1)
 
 
 def _check_initial_path(cfg) -> None:

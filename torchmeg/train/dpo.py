@@ -1,0 +1,132 @@
+"""Direct preference optimisation: the loss over (chosen, rejected) pairs against a frozen reference.
+
+The reference is the model the run starts from (step 0: a fresh init, checkpoint.initial_load_path, a
+converted checkpoint). Its sequence log-probs are computed once, in a first pass over every pair, with
+the run's own layout (each data-parallel rank a share, then summed), and saved beside the run's
+checkpoints (`dpo_reference.pt`): a resumed run reads them back instead of recomputing them from weights
+that have trained since. Precomputing (TRL's `precompute_ref_log_probs`) costs one forward per pair once
+and no memory during training; a second, frozen, sharded model would cost a forward per step and the
+weights twice.
+
+Loss per pair (TRL's `loss_type`): "sigmoid", -log sigmoid(beta x ((pc - rc) - (pr - rr))); "ipo",
+((pc - rc) / nc - (pr - rr) / nr - 1 / (2 beta))^2 with n the answer's tokens; the mean over the global
+batch's pairs (every rank holds as many). Metrics: rewards beta x (p - r) of chosen and rejected, their
+margin, and the share of pairs whose chosen reward is the higher (accuracy).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.kernels.fused_ce import IGNORE
+
+REFERENCE_FILE = "dpo_reference.pt"
+
+
+def sequence_logps(logits, labels: torch.Tensor) -> torch.Tensor:
+    """[rows] sum over each row's targets of log p(target): per-token cross-entropy (vocab-sharded
+    logits under loss parallel give a DTensor, gathered here: a number per token)."""
+    x = logits.flatten(0, 1)
+    x = x if x.dtype == torch.float64 else x.float()  # at least fp32: a row's sum spans hundreds of tokens
+    tok = F.cross_entropy(x, labels.flatten(0, 1), reduction="none")
+    if hasattr(tok, "full_tensor"):
+        tok = tok.full_tensor()
+    return -tok.view(labels.shape).sum(-1)
+
+
+class DPOLoss:
+    """The loss of one microbatch of pairs (rows chosen, rejected, chosen, ...); `see(batch)` gives it
+    the microbatch's pair numbers, `table` [pairs, 2] the reference log-probs."""
+
+    def __init__(self, beta: float, loss_type: str):
+        self.beta, self.loss_type = beta, loss_type
+        self.table, self.pair_ids, self.record = None, None, True
+        self.sums = None
+
+    def see(self, batch) -> None:
+        self.pair_ids = batch[2]
+
+    def __call__(self, logits, labels):
+        if self.table is None:
+            raise RuntimeError("DPOLoss: the reference log-probs are computed before the first step")
+        logp = sequence_logps(logits, labels)
+        ref = self.table[self.pair_ids.to(self.table.device)].to(logp.device)
+        chosen, rejected = logp[0::2] - ref[:, 0], logp[1::2] - ref[:, 1]
+        if self.loss_type == "ipo":
+            n = (labels != IGNORE).sum(-1).clamp_min(1).to(logp.dtype)
+            per_pair = (chosen / n[0::2] - rejected / n[1::2] - 1 / (2 * self.beta)) ** 2
+        else:
+            per_pair = -F.logsigmoid(self.beta * (chosen - rejected))
+        if self.record and torch.is_grad_enabled():  # training microbatches feed the step's reward metrics
+            rc, rr = self.beta * chosen.detach(), self.beta * rejected.detach()
+            s = torch.stack([rc.sum(), rr.sum(), (rc > rr).float().sum(), torch.tensor(float(len(rc)), device=rc.device)])
+            self.sums = s if self.sums is None else self.sums + s
+        return per_pair.mean()
+
+    def step_metrics(self, group) -> dict:
+        """The step's rewards over every pair of the global batch (one all-reduce of four numbers)."""
+        if self.sums is None:
+            return {}
+        s, self.sums = self.sums.float(), None
+        dist.all_reduce(s, group=group)
+        n = max(s[3].item(), 1.0)
+        rc, rr, acc = s[0].item() / n, s[1].item() / n, s[2].item() / n
+        return {"dpo_rewards_chosen": rc, "dpo_rewards_rejected": rr, "dpo_margin": rc - rr, "dpo_accuracy": acc}
+
+
+@torch.no_grad()
+def reference_logps(ms, dataset, n_pairs: int, local_batch: int, dp: int, dp_rank: int, group, device) -> torch.Tensor:
+    """[n_pairs, 2] the model's sequence log-probs of every pair's chosen and rejected rows. Rank r
+    of dp takes pairs r, r + dp, ...; every rank runs as many forwards (FSDP gathers across dp), the
+    last ones padded with repeats; the shares are summed over `group`."""
+    table = torch.zeros(n_pairs, 2, dtype=torch.float64, device=device)
+    mine = list(range(dp_rank, n_pairs, dp))
+    per_rank = -(-n_pairs // dp)
+    rounds = -(-per_rank // local_batch)
+    was_training = ms.model.training
+    ms.model.eval()
+    for b in range(rounds):
+        ids = mine[b * local_batch:(b + 1) * local_batch]
+        real = len(ids)
+        ids = (ids + [ids[-1] if ids else 0] * local_batch)[:local_batch]
+        rows = [dataset.sample_of_pair(k) for k in ids]
+        inputs = torch.cat([r[0] for r in rows])
+        labels = torch.cat([r[1] for r in rows])
+        with ms.loss_context():
+            logp = sequence_logps(ms.model(ms.local(inputs)), ms.local(labels)).double()
+        for j in range(real):
+            table[ids[j], 0], table[ids[j], 1] = logp[2 * j], logp[2 * j + 1]
+    ms.model.train(was_training)
+    dist.all_reduce(table, group=group)
+    return table
+
+
+def prepare_reference(trainer) -> str:
+    """The reference log-probs for `trainer`'s DPO loss: computed at step 0 (and saved), read back on a
+    resume. -> the header note."""
+    loss, cfg, state = trainer.step_fn.pairs, trainer.cfg, trainer.state
+    pairs = trainer.train_set.pairs
+    folder = trainer.ckpt.folder if trainer.ckpt is not None else cfg.run_dir
+    path = os.path.join(folder, REFERENCE_FILE)
+    if state.step > 0:
+        if not os.path.isfile(path):
+            raise ConfigError(f"training.objective = \"dpo\": resuming at step {state.step} needs the reference "
+                              f"log-probs of the starting weights ({path}), which are gone; start the run anew")
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        if saved.get("fingerprint") != pairs.fingerprint:
+            raise ConfigError(f"{path}: computed for other pairs (data.dataset or the template changed since); "
+                              f"start the run anew")
+        loss.table = saved["table"].to(trainer.device)
+        return f"reference log-probs read from {path}"
+    loss.table = reference_logps(trainer.step_fn, trainer.train_set, len(pairs), trainer.layout.local_batch, trainer.dims.dp,
+                                 trainer.dp_rank, trainer.loss_group, trainer.device)
+    if trainer.rank == 0:
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save({"fingerprint": pairs.fingerprint, "table": loss.table.cpu()}, tmp)
+        os.replace(tmp, path)  # atomic: a resume reads a whole file or none
+    return f"reference log-probs of {len(pairs):,} pairs computed from the starting weights, saved to {path}"
