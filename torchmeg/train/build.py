@@ -44,7 +44,7 @@ def cross_entropy_masked(logits: torch.Tensor, labels: torch.Tensor) -> torch.Te
     Dividing by every position (not only the targets) keeps each microbatch's weight the same
     under every layout, with no token count to exchange; the masked share (one position per
     document) shrinks the loss by that fraction."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / labels.numel()
+    return cross_entropy_sum(logits, labels) / labels.numel()
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,7 @@ class ModelStep:
     wants_labels: bool = False  # the model takes the labels too (DeepSeek-V3's MTP modules)
     targets: GlobalTargetMean | None = None  # sft: the loss whose scale count_targets sets each step
     loss_group: object = None  # dp x cp: the ranks whose gradients are averaged (with `targets`)
-    micro: int = 1  # loss calls per step under PP (the schedule's microbatches)
+    loss_calls: int = 1  # losses one step divides by: the schedule's microbatches under PP, else accum
     pairs: DPOLoss | None = None  # dpo: the loss, told each microbatch's pair numbers (batch[2])
 
     @classmethod
@@ -184,7 +184,7 @@ class ModelStep:
                    mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None,
                    targets=loss_fn if sft else None, loss_group=loss_group,
                    pairs=loss_fn if isinstance(loss_fn, DPOLoss) else None,
-                   micro=layout.stages.microbatches if layout.stages is not None else 1)
+                   loss_calls=layout.microbatches)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of a batch: on the device, and its sequence shard under context parallel."""
@@ -216,8 +216,7 @@ def count_targets(ms: ModelStep, batches) -> None:
         dist.all_reduce(n, group=ms.loss_group)
         world = dist.get_world_size(ms.loss_group)
     total = n.item() / ms.cp
-    calls = ms.micro if ms.schedule is not None else ms.accum
-    ms.targets.scale = world * calls / max(total, 1.0)
+    ms.targets.scale = world * ms.loss_calls / max(total, 1.0)
 
 
 def _scalar(t) -> torch.Tensor:
