@@ -50,7 +50,7 @@ def check_flavor(recipe, model_name, flavor) -> dict:
     from torchmeg.train.build import build_parallel_model
     from torchmeg.config.schema import load_config
     from torchmeg.models.init import Constant, canonical_fqn, fill_block_, param_seed
-    from torchmeg.plan.dry_run import fake_world
+    from torchmeg.plan.fake_world import fake_world
     from torchmeg.plan.planner import recipe_world
     from torchmeg.train.validate import validate
     if recipe is None:

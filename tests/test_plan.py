@@ -114,10 +114,38 @@ def test_plan_refuses_a_layout_that_does_not_divide():
     assert p.stderr.strip().count("\n") == 0 and "does not divide the world size 3" in p.stderr, p.stderr
 
 
-def test_plan_refuses_expert_parallel_in_one_line():
-    """MoE is planned with routing assumed balanced (moe_debug above); expert parallel's exchange of
-    token counts sets shapes from data, which fake tensors cannot follow: one line, exit 2."""
-    p = _plan(["--config", os.path.join(ROOT, "recipes", "moe_debug.toml"), "--world", "2",
-               "--parallelism.expert_parallel_degree=2"], timeout=120)
-    assert p.returncode == 2 and p.stderr.startswith("torchmeg.plan: error: parallelism.expert_parallel_degree = 2")
-    assert p.stderr.strip().count("\n") == 0, p.stderr
+@pytest.mark.slow
+def test_plan_counts_expert_parallel_as_balanced_routing(tmp_path):
+    """moe_debug at EP 2 x FSDP 4 (the experts FSDP-sharded over the other 2): planned with routing
+    balanced, against the real run. Routing moves work between the ranks of an ep group, not its
+    sum (every rank sends its T x top_k token copies), so the planned rank equals the mean of its
+    ep group's measured ranks (0 and 1, ep innermost) exactly in FLOPs and all-to-all bytes; expert
+    weights per rank, every collective's count and every other collective's bytes equal outright."""
+    common = ["--config", os.path.join(ROOT, "recipes", "moe_debug.toml"), f"--job.dump_folder={tmp_path}",
+              "--metrics.enable_tensorboard=false", "--data.document_masking=false",
+              "--parallelism.expert_parallel_degree=2"]
+    planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", "4", "--json",
+                                str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
+                        4, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
+    _, err = planner.communicate(timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert planner.returncode == 0, err[-3000:]
+    plan = json.load(open(tmp_path / "plan.json"))["ranks"][0]
+    measured = [json.load(open(tmp_path / f"m.rank{r}")) for r in (0, 1)]
+    assert plan["model_state_bytes"] == measured[0]["model_state_bytes"]
+    assert plan["flops"] == sum(m["flops"] for m in measured) / 2
+    assert measured[0]["flops"] != measured[1]["flops"]  # (the real routing was not balanced)
+    a2a = [k for k in plan["comm"] if k.endswith("/all_to_all")]
+    assert a2a == ["ep/all_to_all"], sorted(plan["comm"])
+    for key, c in plan["comm"].items():
+        got = [m["comm"][key] for m in measured]
+        assert all(g["count"] == c["count"] for g in got), key
+        if key in a2a:
+            assert c["bytes"] == sum(g["bytes"] for g in got) / 2, key
+        else:
+            assert all(g["bytes"] == c["bytes"] for g in got), key
+    assert set(plan["comm"]) == set(measured[0]["comm"])
+    mean_act = sum(m["activation_bytes"] for m in measured) / 2
+    assert abs(plan["activation_bytes"] - mean_act) <= 0.2 * mean_act

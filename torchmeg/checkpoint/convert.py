@@ -93,17 +93,20 @@ def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: s
         fh.write("\n".join(lines) + "\n")
 
 
-def _targets(files: dict, args, limit: bool = True) -> list[str]:
-    """The torchmeg tensors the folder's tensors make (MTP modules beyond the model's depth left out)."""
+def _targets(files: dict, args) -> list[str]:
+    """The torchmeg tensors the folder's tensors make (every MTP module the folder holds)."""
     out = set()
     for h in files:
         if "rotary_emb" in h or (args.tie_embeddings and h == "lm_head.weight"):
             continue
         f = torchmeg_fqn(h, args)
-        if f is None or (limit and f.startswith("mtp.") and int(f.split(".")[1]) >= args.n_layers + args.mtp_depth):
-            continue
-        out.add(f)
+        if f is not None:
+            out.add(f)
     return sorted(out)
+
+
+def _beyond_mtp_depth(fqn: str, args) -> bool:
+    return fqn.startswith("mtp.") and int(fqn.split(".")[1]) >= args.n_layers + args.mtp_depth
 
 
 def _moe_prefixes(args) -> list[str]:
@@ -133,7 +136,8 @@ def from_hf(a) -> None:
     cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
     args = model_args(cfg, None)
     files = _hf_files(src)
-    if getattr(args, "mtp_depth", 0) and not any(f.startswith("mtp.") for f in _targets(files, args, limit=False)):
+    found = _targets(files, args)
+    if getattr(args, "mtp_depth", 0) and not any(f.startswith("mtp.") for f in found):
         # (transformers builds no MTP module, so the folders it writes hold none; DeepSeek's own do)
         if rank == 0:
             print(f"config.json: {args.mtp_depth} MTP module(s) but no MTP tensors in {src}: model.mtp_depth = 0 "
@@ -142,7 +146,7 @@ def from_hf(a) -> None:
         cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
         args = model_args(cfg, None)
     args.rope_halves = config.get("rope_interleave", True) is False  # (DeepSeek: see hf._deepseek_rope_from_halves)
-    targets = _targets(files, args)
+    targets = [f for f in found if not _beyond_mtp_depth(f, args)]
     hf_config(args) if hasattr(args, "n_experts") else None  # (a moe outside Qwen3-MoE's shape: refused now)
     ckpt = os.path.join(out, "checkpoint")
     tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)

@@ -1,6 +1,7 @@
 """From a recipe's [data] section to batches: open the stores, build the datasets, the stateful loader."""
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 
@@ -18,24 +19,29 @@ from torchmeg.config.errors import ConfigError, StoreError
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 
 
+@contextlib.contextmanager
+def _chat_data_errors():
+    """Chat and preference data: a bad file or conversation as the recipe's one-line error."""
+    try:
+        yield
+    except ChatDataError as e:
+        raise ConfigError(f"data.dataset: {e}") from None
+
+
 def open_chat(cfg, tokenizer):
     """training.objective = "sft": the dataset list's conversations, tokenized (torchmeg.data.chat_data)."""
     d = cfg.data
-    try:
+    with _chat_data_errors():
         template = chat_template(cfg)
         return tokenize_conversations(dataset_list(cfg), template, tokenizer, d.train_on_prompt, cache_dir(cfg))
-    except ChatDataError as e:
-        raise ConfigError(f"data.dataset: {e}") from None
 
 
 def open_stores(cfg, tokenizer) -> list:
     if cfg.training.objective == "sft":
         return [open_chat(cfg, tokenizer)]
     if cfg.training.objective == "dpo":
-        try:
+        with _chat_data_errors():
             return [Pairs(dataset_list(cfg), chat_template(cfg), tokenizer)]
-        except ChatDataError as e:
-            raise ConfigError(f"data.dataset: {e}") from None
     stores = []
     for n in dataset_list(cfg):
         try:
@@ -68,15 +74,11 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
 def build_dataset(cfg, stores, split: str):
     d = cfg.data
     if cfg.training.objective == "dpo":
-        try:
+        with _chat_data_errors():
             return PairDataset(stores[0], d.seq_len, cfg.job.seed, split, d.val_fraction)
-        except ChatDataError as e:
-            raise ConfigError(f"data.dataset: {e}") from None
     if cfg.training.objective == "sft":
-        try:
+        with _chat_data_errors():
             windows = ChatWindows(stores[0], d.seq_len, split, d.val_fraction, d.long_conversations, pad_id=0)
-        except ChatDataError as e:
-            raise ConfigError(f"data.dataset: {e}") from None
         return ChatDataset(windows, cfg.job.seed, split, documents=d.document_masking)
     return TokenDataset(stores, d.weights, d.seq_len, cfg.job.seed, split, d.val_fraction,
                         documents=d.document_masking, mask_eod=d.mask_eod_loss)

@@ -63,3 +63,8 @@ def extra_blocks(model: nn.Module) -> list[nn.Module]:
             out += list(container.values()) if isinstance(container, nn.ModuleDict) else list(container)
     return out
 
+
+def fqn_matches(pattern: str, fqn: str) -> bool:
+    """A TP plan's module pattern ("layers.*.attention.wq", `*` one name) against a module's FQN."""
+    p, f = pattern.split("."), fqn.split(".")
+    return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))

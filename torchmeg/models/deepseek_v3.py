@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchmeg.models.attention import DocumentBatch, document_positions
+from torchmeg.models.blocks import fqn_matches
 from torchmeg.models.llama import DECODER_TP, RMSNorm, causal_attention
 from torchmeg.models.moe import MoEArgs, MoEBlock, MoETransformer, _AuxLoss
 from torchmeg.models.rope import apply_rope, yarn_mscale
@@ -120,9 +120,11 @@ class MLA(nn.Module):
             q = q * self.q_gain
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         pad = self.nope + self.rope - self.v_dim
-        if self.sdpa is not causal_attention and pad > 0:
-            # A swapped-in kernel (context parallel's) may use flash attention, which takes one head
-            # size for q, k and v: v padded with zeros, the padding's outputs (zeros) dropped.
+        if pad > 0:
+            # Flash attention (CPU, CUDA, context parallel's kernels) takes one head size for q, k
+            # and v; without it SDPA falls back to kernels that hold the [H, L, L] scores on CPU
+            # (measured by the planner at 671B: ~30 GiB per layer at 4k tokens). v padded with
+            # zeros, the padding's outputs (zeros) dropped: +pad/v of the P@V matmul's FLOPs.
             v = F.pad(v, (0, pad))
         o = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o[..., :self.v_dim].transpose(1, 2).reshape(B, L, -1))
@@ -167,6 +169,36 @@ def shift_left(t_BL: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return torch.cat([t_BL[:, k:], t_BL.new_full((t_BL.shape[0], k), fill)], 1)
 
 
+def mtp_ahead(tokens_BL: torch.Tensor, labels_BL: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, L, 2 depth]: column k-1 is token i+k (depth k's input; 0 past the end), column depth+k-1
+    its target, token i+k+1 (labels[i+k]; ignored past the end). Built from whole sequences: under
+    context parallel a shard's last positions read tokens of another shard, so the training loop
+    builds this before sharding and passes it as `ahead`; under PP every stage gets it."""
+    inputs = [shift_left(tokens_BL, k, 0) for k in range(1, depth + 1)]
+    targets = [shift_left(labels_BL, k, IGNORE) for k in range(1, depth + 1)]
+    return torch.stack(inputs + targets, -1)
+
+
+def mtp_weights(ahead: torch.Tensor, depth: int, chunks: int = 1, shards: int = 1) -> torch.Tensor:
+    """[B, L, depth] weights on the MTP cross-entropies making each microbatch's (rows split in
+    `chunks`) loss its mean over its targets, as one process computes it. Under context parallel
+    each of the `shards` sees part of a sequence: weighted by the whole sequences' target count
+    (x shards, the shards' losses being averaged), as a per-shard mean would miscount the ignored
+    tail that lies on one shard."""
+    valid = (ahead[..., depth:] != IGNORE).float()
+    per_chunk = valid.view(chunks, -1, valid.shape[1], depth)
+    return (per_chunk * shards / per_chunk.sum((1, 2), keepdim=True).clamp_min(1)).view_as(valid)
+
+
+def _ce(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    x = logits.flatten(0, 1).float()
+    if weight is None:
+        return F.cross_entropy(x, target.flatten(), ignore_index=IGNORE)
+    ce = F.cross_entropy(x, target.flatten(), ignore_index=IGNORE, reduction="none")
+    ce = ce.full_tensor() if hasattr(ce, "full_tensor") else ce  # (vocabulary-parallel: replicated values)
+    return (ce * weight.flatten()).sum()
+
+
 class DeepSeekV3(MoETransformer):
     def __init__(self, args: DeepSeekV3Args):
         super().__init__(args)
@@ -176,41 +208,62 @@ class DeepSeekV3(MoETransformer):
                                   for k in range(args.mtp_depth)}) if args.mtp_depth else None
         self.register_buffer("mtp_loss", torch.zeros(()), persistent=False)  # this step's, for the log
 
+    record_stats = True  # off for torch's shape-inference forward under PP (parallel/pipeline.py)
+
     def init_buffers(self) -> None:
         super().init_buffers()
         if hasattr(self, "mtp_loss"):  # (Llama's constructor fills the tables before it exists)
             self.mtp_loss.zero_()
 
-    def forward(self, tokens_BL, positions=None, cache=None, documents=None, labels=None):
-        """As Llama's; in training, `labels` [B, L] (the next tokens) feed the MTP modules."""
-        if self.mtp is None or labels is None or not self.training:
+    def forward(self, tokens_BL, positions=None, cache=None, documents=None, labels=None, ahead=None,
+                ahead_weight=None):
+        """As Llama's; in training, `ahead` (mtp_ahead) or the `labels` [B, L] (the next tokens) it
+        is built from feed the MTP modules, their losses weighted by `ahead_weight` (mtp_weights)
+        when given, else each the mean over its targets.
+
+        Pipeline stages (a split copy lacks the embedding or the final norm): the first stage embeds
+        the tokens ahead with the one embedding table and every stage but the last passes those
+        embeddings on beside the hidden state, one tensor [B, L, (1 + depth) E]. The MTP modules on
+        the last stage thus read the first stage's embedding and its gradient flows back through the
+        pipeline, with no second copy of the table to keep in sync (Megatron instead keeps a copy on
+        the last stage and all-reduces the two tables' gradients). Cost: (1 + depth) x the p2p bytes."""
+        D = self.args.mtp_depth
+        first, last = self.tok_embeddings is not None, self.norm is not None
+        if ahead is None and labels is not None and D and first:
+            ahead = mtp_ahead(tokens_BL, labels, D)
+        staged = not (first and last)
+        if not D or ahead is None or cache is not None or not (self.training or staged):
             return super().forward(tokens_BL, positions=positions, cache=cache, documents=documents)
-        pos, docs = positions, documents
-        if documents is not None:
-            pos = document_positions(documents) if positions is None else positions
-            docs = DocumentBatch(documents)
-        h = self.tok_embeddings(tokens_BL)
-        kw = {"documents": docs} if docs is not None else {}
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin, positions=pos, **kw)
+        rope = self.rope_inputs(positions, documents)
+        if first:
+            h, e = self.tok_embeddings(tokens_BL), [self.tok_embeddings(ahead[..., k]) for k in range(D)]
+        else:
+            h, *e = tokens_BL.chunk(D + 1, -1)
+        h = self.run_layers(h, rope)
+        if not last:
+            return torch.cat([h, *e], -1)
         out = self.norm(h)
         logits = self.output(out) if not self.head_in_loss else out
-        # Depth k at position i: token i+k is labels[i+k-1]; its target, token i+k+1, is labels[i+k].
+        if not self.training:  # (a pipeline's evaluation: the main loss only)
+            return logits
+        cos, sin, pos, docs = rope
+        kw = {"documents": docs} if docs is not None else {}
         total = 0.0
-        for k, module in enumerate(self.mtp.values(), start=1):
-            h, normed = module(h, self.tok_embeddings(shift_left(labels, k - 1, 0)), self.rope_cos, self.rope_sin,
-                               positions=pos, **kw)
-            target = shift_left(labels, k, IGNORE)
-            total = total + F.cross_entropy(self.output(normed).flatten(0, 1).float(), target.flatten(),
-                                            ignore_index=IGNORE)
-        mtp = total / len(self.mtp)
-        # (under TP with loss_parallel the loss is a replicated DTensor: its value, as a plain tensor)
-        value = mtp.detach()
-        self.mtp_loss += (value.full_tensor() if hasattr(value, "full_tensor") else value) * self.aux_loss_scale
+        for k, module in enumerate(self.mtp.values()):
+            h, normed = module(h, e[k], cos, sin, positions=pos, **kw)
+            total = total + _ce(self.output(normed), ahead[..., D + k],
+                                None if ahead_weight is None else ahead_weight[..., k])
+        mtp = total / D
+        if self.record_stats:
+            # (under TP with loss_parallel the loss is a replicated DTensor: its value, as a plain tensor)
+            value = mtp.detach()
+            self.mtp_loss += (value.full_tensor() if hasattr(value, "full_tensor") else value) * self.mtp_log_scale
         return _AuxLoss.apply(logits, mtp * (self.args.mtp_loss_weight * self.aux_loss_scale))
 
-    # set by the training loop like each MoE layer's (1 / microbatches a step accumulates)
+    # set by the training loop: like each MoE layer's, the gradient scale (1 / accumulated
+    # microbatches; 1 under PP, whose schedule scales gradients itself) and the log's (1 / microbatches)
     aux_loss_scale = 1.0
+    mtp_log_scale = 1.0
     extra_blocks = ("mtp",)  # each MTP module its own FSDP unit (torchmeg.models.blocks)
 
 
@@ -271,9 +324,5 @@ def tp_plan(model) -> list[tuple[str, str]]:
     plan += [("norm", "sp_norm"), ("output", "output")]
     # Patterns a model lacks (wq without q_lora_rank, wq_a/wq_b with it; dense FFNs when every layer
     # is routed) are dropped here, since a plan for this model is applied strictly.
-    names = [n.split(".") for n, _ in model.named_modules()]
-    return [(p, r) for p, r in plan if any(_matches(p.split("."), n) for n in names)]
-
-
-def _matches(pattern: list[str], name: list[str]) -> bool:
-    return len(pattern) == len(name) and all(a == "*" or a == b for a, b in zip(pattern, name))
+    names = [n for n, _ in model.named_modules()]
+    return [(p, r) for p, r in plan if any(fqn_matches(p, n) for n in names)]

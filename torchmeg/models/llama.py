@@ -197,6 +197,13 @@ class Llama(nn.Module):
         document masking passes `documents` [B, L] (models.attention), positions restarting at each
         document unless given (context parallel gives its shard's)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
+        h = self.run_layers(h, self.rope_inputs(positions, documents), cache)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None and not self.head_in_loss else h
+
+    def rope_inputs(self, positions: torch.Tensor | None, documents: torch.Tensor | None) -> tuple:
+        """(cos, sin, positions, documents) as every layer takes them: positions restarting at each
+        document under document masking; per-row positions gathered from the tables once."""
         if documents is not None:
             if positions is None:
                 positions = document_positions(documents)
@@ -204,6 +211,10 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos, self.rope_sin
         if positions is not None and positions.dim() == 2:  # every row its own positions: gathered once
             cos, sin, positions = cos[positions], sin[positions], None
+        return cos, sin, positions, documents
+
+    def run_layers(self, h: torch.Tensor, rope: tuple, cache=None) -> torch.Tensor:
+        cos, sin, positions, documents = rope
         for name, layer in self.layers.items():
             if cache is not None:
                 h = layer(h, cos, sin, positions=positions, cache=cache.layer(name))
@@ -211,8 +222,7 @@ class Llama(nn.Module):
                 h = layer(h, cos, sin, positions=positions, documents=documents)
             else:
                 h = layer(h, cos, sin, positions=positions)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None and not self.head_in_loss else h
+        return h
 
 
 # ---- flavors and tensor-parallel plan (data; applied by torchmeg.parallel) -----------------------

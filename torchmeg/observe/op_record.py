@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from torchmeg.parallel.float8 import is_float8_linear
 
 # The ops whose operand dtype *is* the compute precision.
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear",
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear", "_grouped_mm",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
               "scaled_dot_product_attention"}
@@ -41,7 +41,7 @@ class OpRecorder(TorchDispatchMode):
         outs = {_name(t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         self.seen |= ins | outs
         if op in MATMUL_OPS:
-            self.matmul.setdefault(op, set()).update(ins - {"int64", "bool"})
+            self.matmul.setdefault(op, set()).update(ins - {"int64", "int32", "bool"})  # (indices, offsets)
         return out
 
     def report(self, model: torch.nn.Module) -> dict:

@@ -10,7 +10,9 @@ TP-sharded), each TP rank dispatching within its own ep group.
 Dispatch, per MoE layer: (1) exchange per-expert token counts (all_to_all_single on a small int
 tensor), (2) send every (token, expert) pair to the expert's owner — all_to_all_single with
 uneven splits, autograd-aware, the only variant gloo accepts — (3) group received tokens by local
-expert and run them, (4) the reverse all-to-all. The backward of (2)/(4) are the same collectives
+expert and run them (grouped matmuls where the dtype and device take them, as the local path),
+(4) the reverse all-to-all. One host read per layer: the split sizes, which the collective takes
+as lists. The backward of (2)/(4) are the same collectives
 with the splits swapped, so expert gradients sum every rank's tokens; the trainer divides them by
 ep so they match the data-parallel mean (see `expert_grad_scale`).
 """
@@ -23,7 +25,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.models.moe import expert_ffn, is_grouped_experts
+from torchmeg.models.moe import expert_ffn, grouped_ffn, grouped_mm_takes, is_grouped_experts
 
 
 class AllToAllDispatch:
@@ -32,23 +34,34 @@ class AllToAllDispatch:
         self.ep = ep_mesh.size()
         self.local = n_experts // self.ep
 
-    # The split sizes are read on the host (all_to_all_single takes lists): traced by torch.compile
-    # they would be guarded on and recompile at every new routing (measured: 36 recompiles in 4 steps),
-    # so the exchange runs eagerly between the compiled pieces of the block.
+    def exchange_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """What each ep peer sends this rank (its token counts for this rank's experts, [source
+        rank x local expert]) on the device, and both count vectors on the host: the layer's one
+        host read, since all_to_all_single takes its split sizes as lists."""
+        recv = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv, counts_E, group=self.group)
+        host = torch.cat([counts_E, recv]).tolist()
+        return recv, host[:counts_E.numel()], host[counts_E.numel():]
+
+    # The split sizes are read on the host: traced by torch.compile they would be guarded on and
+    # recompile at every new routing (measured: 36 recompiles in 4 steps), so the exchange runs
+    # eagerly between the compiled pieces of the block.
     @torch._dynamo.disable
     def __call__(self, experts: nn.Module, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ep, El = self.ep, self.local
-        counts = counts_E.to(torch.int64)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # [source rank x local expert]
-        send = counts.view(ep, El).sum(1).tolist()
-        recv = recv_counts.view(ep, El).sum(1).tolist()
+        recv_counts, sent, got = self.exchange_counts(counts_E.to(torch.int64))
+        send = [sum(sent[r * El:(r + 1) * El]) for r in range(ep)]
+        recv = [sum(got[r * El:(r + 1) * El]) for r in range(ep)]
         x_recv = all_to_all_single_autograd(x_TD.contiguous(), recv, send, self.group)
         # Arrivals are ordered (source rank, local expert); regroup by local expert.
-        local_ids = torch.arange(El, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts)
+        local_ids = torch.arange(El, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts, output_size=sum(recv))
         order = local_ids.argsort(stable=True)
-        y = expert_ffn(experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local(), x_recv[order],
-                       recv_counts.view(ep, El).sum(0).tolist())
+        w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
+        x_sorted = x_recv[order]
+        if grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2):
+            y = grouped_ffn(w1, w2, w3, x_sorted, recv_counts.view(ep, El).sum(0))
+        else:
+            y = expert_ffn(w1, w2, w3, x_sorted, [sum(got[r * El + e] for r in range(ep)) for e in range(El)])
         y = y[order.argsort()]
         return all_to_all_single_autograd(y.contiguous(), send, recv, self.group)
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchmeg.parallel.float8 import is_float8_linear
+from torchmeg.models.blocks import fqn_matches
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_input_local",
@@ -169,11 +170,6 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
     raise ValueError(f"unknown TP role {role!r}; known roles: {', '.join(ROLES)}")
 
 
-def _matches(pattern: str, fqn: str) -> bool:
-    p, f = pattern.split("."), fqn.split(".")
-    return len(p) == len(f) and all(a == "*" or a == b for a, b in zip(p, f))
-
-
 def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp: bool = False,
                 matched: dict | None = None) -> dict:
     """Pattern plan -> {module FQN: ParallelStyle} for the modules this (stage) model has.
@@ -184,7 +180,7 @@ def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp
             raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}")
         n = 0
         for fqn, mod in model.named_modules():
-            if fqn and mod is not None and _matches(pattern, fqn):
+            if fqn and mod is not None and fqn_matches(pattern, fqn):
                 n += 1
                 style = style_for(role, mod, sp, loss_parallel, float8_tp)
                 if style is not None:

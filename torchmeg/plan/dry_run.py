@@ -19,18 +19,16 @@ end depends on the data, and shorter ones attend to fewer keys, so attention FLO
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor._sharding_prop as sharding_prop
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
+from torchmeg.train.router_stats import reduce_router_stats
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
 from torchmeg.config.layout import Layout
@@ -38,6 +36,7 @@ from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
+from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
 from torchmeg.plan.step_cost import StepCost, add_comm, mesh_group_labels
 
 MIB = 2 ** 20
@@ -127,53 +126,6 @@ def activation_bytes(memory: dict[str, int]) -> int:
     return memory.get("Total", 0) - static
 
 
-def fake_world(world: int, rank: int):
-    """This process as `rank` of a fake world. DTensor caches each op's sharding decision under a
-    key in which a mesh of the same shape and names compares equal, whatever process groups it
-    holds: a cache kept from the previous fake world hands out meshes whose groups are gone."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-
-@contextlib.contextmanager
-def _sharding_propagation_as_in_eager():
-    """DTensor derives each op's output shape by running it on global-shaped fake tensors, under
-    the active fake mode if there is one (torch 2.13, ShardingPropagator). In a real run there is
-    none, so it makes a private FakeTensorMode that the trackers ignore; in the dry run it would
-    reuse ours and the trackers would count those global-shaped shadow ops (+40% TP matmul FLOPs,
-    +5% activation peak, measured). Make the dry run do what a real run does."""
-    saved = sharding_prop.detect_fake_mode
-    sharding_prop.detect_fake_mode = lambda *a, **k: None
-    try:
-        yield
-    finally:
-        sharding_prop.detect_fake_mode = saved
-
-
-@contextlib.contextmanager
-def _balanced_routing():
-    """MoE routing counts tokens per expert with torch.bincount, whose output shape (and the
-    splits taken from it) depend on the data, which fake tensors do not have. The plan assumes
-    balanced routing — the state aux-loss-free balancing drives towards — by answering a bincount
-    on fake tensors with real, equal counts (T*K / E each; the remainder to the first experts).
-    Expert parallel's all-to-all of those counts stays data-dependent and is still refused."""
-    saved = torch.bincount
-
-    def bincount(x, weights=None, minlength=0):
-        if not isinstance(x, FakeTensor) or weights is not None:
-            return saved(x, weights=weights, minlength=minlength)
-        n, k = x.numel(), max(minlength, 1)
-        with unset_fake_temporarily():
-            return torch.tensor([n // k + (1 if e < n % k else 0) for e in range(k)], dtype=torch.int64)
-    torch.bincount = bincount
-    try:
-        yield
-    finally:
-        torch.bincount = saved
-
-
 # What a planning child works on, set before the Pool forks it: inherited by the fork, never
 # pickled (a user's ModelSpec may hold lambdas).
 _JOB: dict = {}
@@ -212,7 +164,7 @@ def _plan_in_fake_world(pp_ranks: list[int]) -> list[dict]:
     dims = layout.dims
     fake_world(dims.world_size, pp_ranks[0] * (dims.world_size // dims.pp))
     try:
-        with _sharding_propagation_as_in_eager(), _balanced_routing():
+        with sharding_propagation_as_in_eager(), balanced_routing():
             return _plan_rank(cfg, layout, pp_ranks)
     finally:
         dist.destroy_process_group()
@@ -243,7 +195,8 @@ def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
         # The trainer's own microbatch loop, over the (at most three) microbatches planned.
         ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss), accum=len(batches), targets=None)
         loss_group = mesh["dp_cp"].get_group()
-        step = _step(lambda: dist.all_reduce(forward_backward(ms, batches), group=loss_group), model, opt, [])
+        step = _step(lambda: (dist.all_reduce(forward_backward(ms, batches), group=loss_group),
+                              _router_stats(built, layout, mesh)), model, opt, [])
         state = _create_optimizer_state(model, opt)
         m = track_step(lambda: (step(), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches)
         m.update(rank=dist.get_rank(), pp_rank=0, stages=built.stage_ids, model_state_bytes=state,
@@ -276,6 +229,13 @@ def _step(forward_backward, model, opt, extra_groups):
     return run
 
 
+def _router_stats(built, layout: Layout, mesh) -> None:
+    """The step's MoE balancing / router log collectives, as the trainer issues them."""
+    modules = [m for part in built.parts for m in part.modules()]
+    reduce_router_stats([m for m in modules if hasattr(m, "update_bias")], [m for m in modules if hasattr(m, "mtp_loss")],
+                        layout.args, layout.dims.pp, mesh["dp_cp"].get_group(), mesh["pp"].get_group(), "cpu")
+
+
 def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks):
     """Pipeline ranks' steps from this rank's parts: each stage's microbatch measured once, then
     every rank in pp_ranks (same stage shapes) played through its row of the schedule's action
@@ -289,16 +249,23 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     vocab = layout.args.vocab_size
     per_stage, p2p = {}, []
+    # DeepSeek-V3's MTP: every stage takes the tokens ahead; the embeddings of them travel with
+    # the hidden state (models/deepseek_v3.py), (1 + depth) x its width between stages
+    depth = getattr(layout.args, "mtp_depth", 0)
+    kw = {}
+    if depth:
+        ahead = mtp_ahead(torch.randint(0, vocab, (mb, L)), torch.randint(0, vocab, (mb, L)), depth)
+        kw = {"ahead": ahead, "ahead_weight": mtp_weights(ahead, depth, shards=dims.cp)}
     for part, sid in zip(built.parts, built.stage_ids):
         if sid == 0:
             x = torch.randint(0, vocab, (mb, L))
         else:
-            x = torch.randn(mb, L // (dims.tp if sp else 1), dim, dtype=act_dtype, requires_grad=True)
+            x = torch.randn(mb, L // (dims.tp if sp else 1), dim * (1 + depth), dtype=act_dtype, requires_grad=True)
         y = torch.randint(0, vocab, (mb, L))
         last = loss_function(cfg, built) if sid == n_stages - 1 else None
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
-        fm = _measure_forward(part, opt, labels, x, last, y, n_micro)
+        fm = _measure_forward(part, opt, labels, x, last, y, n_micro, kw)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -316,6 +283,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         loss = torch.zeros(())
         dist.all_reduce(loss, group=pp_group)
         dist.all_reduce(loss, group=mesh["dp_cp"].get_group())
+        _router_stats(built, layout, mesh)
         grad_norm(list(built.model.parameters()), [pp_group])
         opt.step()
     tail_m = track_step(tail, built.parts, opt, labels)
@@ -367,16 +335,16 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     return out
 
 
-def _measure_forward(part, opt, labels, x, loss_fn, y, n_micro) -> dict:
+def _measure_forward(part, opt, labels, x, loss_fn, y, n_micro, kw) -> dict:
     """One microbatch through one stage: bytes held after forward (activations + output), the
     transient peaks of forward and backward above that, and its ops and collectives. `loss_fn`:
-    the last stage's loss (None on the others)."""
+    the last stage's loss (None on the others); `kw`: the model's keyword inputs."""
     mt = step_memory()
     mt.track_external(part, opt)
     cost = StepCost(labels)
     with mt, cost:
         base = current_bytes(mt)
-        out = part(x)
+        out = part(x, **kw)
         after_fwd = current_bytes(mt)
         fwd_peak = peak_bytes(mt).get("Total", 0)
         if loss_fn is not None:

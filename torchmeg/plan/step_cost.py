@@ -28,6 +28,18 @@ _ALIASES = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
 }
+
+
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """torch._grouped_mm (MoE experts; flop_counter has no formula, torch 2.13): each group a matmul.
+    2-D x 2-D with offsets (the weight gradient, [k, T] x [T, n] -> [E, k, n]) contracts over all T
+    rows once; every other form contracts `a`'s last dim once per output element."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
+_FORMULAS = {aten._grouped_mm: _grouped_mm_flops}
 # Bytes each rank sends per byte of the collective's buffer, ring algorithms over n ranks
 # (NCCL's "bus bandwidth" factors; Thakur et al. 2005).
 _WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -162,8 +174,14 @@ class StepCost(CommDebugMode):
         name = _group_name(args)
         label = self.labels.get(name, name or "?")
         size = dist.distributed_c10d._resolve_process_group(name).size() if name else 1
-        buf = max((t.numel() * t.element_size() for t in _tensors([args, out])), default=0)
         kind = collective_kind(func._overloadpacket.__name__)
+        if kind == "all_to_all":
+            # what this rank sends (functional: input first; c10d: output first): what it receives
+            # follows the routing, the sends sum to the same over the ranks
+            sent = args[0] if func.namespace == "_c10d_functional" else args[1]
+            buf = sent.numel() * sent.element_size()
+        else:
+            buf = max((t.numel() * t.element_size() for t in _tensors([args, out])), default=0)
         c = self.collectives[(label, kind)]
         c["count"] += 1
         c["bytes"] += buf
@@ -173,8 +191,9 @@ class StepCost(CommDebugMode):
     def _compute(self, func, args, kwargs, out) -> None:
         packet = _ALIASES.get(func._overloadpacket, func._overloadpacket)
         flops = 0
-        if packet in flop_registry:
-            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        formula = flop_registry.get(packet) or _FORMULAS.get(packet)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
         nbytes = sum(t.numel() * t.element_size() for t in _tensors([list(args), out]))
         dtype = None
         if flops:

@@ -26,6 +26,7 @@ from torch.profiler import record_function
 from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
 from torchmeg.config.layout import Layout
 from torchmeg.models.args import instantiate
+from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.models.init import materialize
 from torchmeg.models.spec import spec_tp_plan
 from torchmeg.parallel import pipeline as pl
@@ -166,7 +167,7 @@ class ModelStep:
     has_first: bool
     has_last: bool
     pp_group: object
-    wants_labels: bool = False  # the model takes the labels too (DeepSeek-V3's MTP modules)
+    mtp_depth: int = 0  # DeepSeek-V3's MTP modules: the model takes the tokens ahead (`ahead`) too
     targets: GlobalTargetMean | None = None  # sft: the loss whose scale count_targets sets each step
     loss_group: object = None  # dp x cp: the ranks whose gradients are averaged (with `targets`)
     loss_calls: int = 1  # losses one step divides by: the schedule's microbatches under PP, else accum
@@ -181,7 +182,7 @@ class ModelStep:
         sft = isinstance(loss_fn, GlobalTargetMean)
         return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
-                   mesh["pp"].get_group(), getattr(built.model, "mtp", None) is not None,
+                   mesh["pp"].get_group(), getattr(layout.args, "mtp_depth", 0),
                    targets=loss_fn if sft else None, loss_group=loss_group,
                    pairs=loss_fn if isinstance(loss_fn, DPOLoss) else None,
                    loss_calls=layout.microbatches)
@@ -193,11 +194,13 @@ class ModelStep:
 
     def extra(self, batch) -> dict:
         """The model's keyword inputs of a batch: document numbers under document masking, whole
-        (context parallel picks its chunks' own; positions come from them); the labels for a model
-        that predicts further ahead (MTP)."""
+        (context parallel picks its chunks' own; positions come from them); the tokens ahead and their
+        targets for a model that predicts further (MTP), built from whole sequences, then sharded."""
         kw = {"documents": batch[2].to(self.device)} if len(batch) > 2 and self.pairs is None else {}
-        if self.wants_labels:
-            kw["labels"] = self.local(batch[1])
+        if self.mtp_depth:
+            ahead = mtp_ahead(batch[0], batch[1], self.mtp_depth)
+            kw["ahead"] = self.local(ahead)
+            kw["ahead_weight"] = self.local(mtp_weights(ahead, self.mtp_depth, shards=self.cp))
         return kw
 
     def loss_context(self):
@@ -261,6 +264,10 @@ def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
     kw = {"target": labels, "losses": losses} if ms.has_last else {}
     if len(batches[0]) > 2:  # every stage takes the document numbers (split into microbatches by torch)
         kw["documents"] = torch.cat([b[2] for b in batches]).to(ms.device)
+    if ms.mtp_depth:  # and the tokens ahead (the first stage embeds them, the last predicts them)
+        ahead = torch.cat([mtp_ahead(b[0], b[1], ms.mtp_depth) for b in batches])
+        kw["ahead"] = ms.local(ahead)
+        kw["ahead_weight"] = ms.local(mtp_weights(ahead, ms.mtp_depth, chunks=ms.loss_calls, shards=ms.cp))
     (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
     loss = torch.stack([x.detach().float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
     dist.all_reduce(loss, group=ms.pp_group)

@@ -39,6 +39,7 @@ from torchmeg.observe.peak import peak_flops, repair_peak
 from torchmeg.observe.profiling import StepProfiler
 from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
+from torchmeg.train.router_stats import reduce_router_stats
 from torchmeg.train.spike import SpikeGuard, batch_samples
 from torchmeg.train.state import TrainState
 from torchmeg.train.dpo import prepare_reference
@@ -97,10 +98,12 @@ class Trainer:
         # The aux loss rides with the LM loss, which is divided by the microbatch count here;
         # under PP the schedule divides every gradient by its microbatch count itself (scale_grads).
         # (DeepSeek-V3's MTP loss rides the same way: the model keeps its own scale and last value.)
-        self.mtp_models = [m for m in self.model.modules() if hasattr(m, "mtp_loss")]
+        self.mtp_models = [m for part in built.parts for m in part.modules() if hasattr(m, "mtp_loss")]
         for m in self.moe_layers + self.mtp_models:
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
+        for m in self.mtp_models:
+            m.mtp_log_scale = 1.0 / layout.microbatches
         self.expert_params = [p for m in expert_modules(self.model) for p in m.parameters()] if self.dims.ep > 1 else []
         self.router_stats = {}
         loss_fn = built.loss_fn or loss_function(cfg, built)  # (the schedule's own under PP)
@@ -222,22 +225,20 @@ class Trainer:
             print(line, flush=True)
 
     def _route_stats_and_balance(self) -> None:
-        """MoE: global tokens per expert this step -> load-balancing bias update and router stats."""
-        if not self.moe_layers:
-            return
-        loads = torch.stack([m.tokens_per_expert for m in self.moe_layers])  # [moe layers, experts]
-        dist.all_reduce(loads, group=self.loss_group)
-        for m, load in zip(self.moe_layers, loads):
+        """MoE: global tokens per expert this step -> load-balancing bias update and router stats;
+        DeepSeek-V3's MTP loss for the log."""
+        loads, summary, mtp = reduce_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims.pp,
+                                                  self.loss_group, self.pp_group, self.device)
+        for m, load in zip(self.moe_layers, loads if loads is not None else []):
             m.update_bias(load)
             m.tokens_per_expert.zero_()
-        imbalance = (loads.max(1).values / loads.mean(1).clamp_min(1e-9)).mean().item()
-        self.router_stats = {"moe_imbalance": imbalance, "tokens_per_expert": loads.sum(0).tolist()}
-        if self.mtp_models and self.mtp_models[0].mtp is not None:
-            # this step's MTP cross-entropy (mean over microbatches), averaged over the loss group
-            mtp = self.mtp_models[0].mtp_loss.detach().clone()
-            dist.all_reduce(mtp, group=self.loss_group)
+        if summary is not None:
+            self.router_stats = {"moe_imbalance": (summary[-2] / summary[-1]).item(),
+                                 "tokens_per_expert": summary[:-2].tolist()}
+        if mtp is not None:  # this step's MTP cross-entropy (mean over microbatches), averaged
             self.router_stats["mtp_loss"] = mtp.item() / dist.get_world_size(self.loss_group)
-            self.mtp_models[0].mtp_loss.zero_()
+            for m in self.mtp_models:
+                m.mtp_loss.zero_()
 
     @torch.no_grad()
     def evaluate(self) -> float:

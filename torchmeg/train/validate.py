@@ -85,14 +85,6 @@ def _check_dpo(cfg, dims) -> None:
 
 def _check_deepseek(args, dims) -> None:
     """Layouts DeepSeek-V3's extra losses do not take yet, each refused naming the key."""
-    mtp = getattr(args, "mtp_depth", 0)
-    if mtp and dims.pp > 1:
-        raise ConfigError(f"model.mtp_depth = {mtp} with parallelism.pipeline_parallel_degree = {dims.pp}: not yet "
-                          f"supported (the MTP modules read the embedding, which lives on the first stage); set "
-                          f"model.mtp_depth = 0 or pipeline_parallel_degree = 1")
-    if mtp and dims.cp > 1:
-        raise ConfigError(f"model.mtp_depth = {mtp} with parallelism.context_parallel_degree = {dims.cp}: not yet "
-                          f"supported (MTP reads tokens past a shard's end); set model.mtp_depth = 0")
     if getattr(args, "seq_aux_loss_coef", 0) > 0 and dims.cp > 1:
         raise ConfigError(f"model.seq_aux_loss_coef = {args.seq_aux_loss_coef} with "
                           f"parallelism.context_parallel_degree = {dims.cp}: the sequence-wise balance loss needs "

@@ -1,0 +1,31 @@
+"""The step's collectives behind MoE load balancing and the router log (tokens per expert, the
+imbalance, DeepSeek-V3's MTP loss): one function, run by the trainer and by the planner's dry run,
+so the plan counts the same collectives the step issues."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def reduce_router_stats(moe_layers: list, mtp_models: list, args, pp: int, loss_group, pp_group, device):
+    """-> (loads [this rank's MoE layers, experts] summed over the loss group (dp x cp), the log's
+    summary [tokens per expert over every layer..., sum of per-layer max/mean, layers] or None, the
+    MTP loss summed over the loss group or None). Under PP each stage holds its own layers: the
+    summary and the MTP loss (last stage only) are summed over the pipeline too, every rank
+    joining whether it holds MoE layers or not, so whichever rank prints logs the whole model."""
+    n_experts = getattr(args, "n_experts", 0) if pp > 1 else 0
+    loads = summary = mtp = None
+    if moe_layers or n_experts:
+        loads = torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else \
+            torch.zeros(0, n_experts, device=device)
+        dist.all_reduce(loads, group=loss_group)
+        ratio = loads.max(1).values / loads.mean(1).clamp_min(1e-9) if moe_layers else loads.new_zeros(0)
+        summary = torch.cat([loads.sum(0), ratio.sum().view(1), loads.new_full((1,), float(len(loads)))])
+        if n_experts:
+            dist.all_reduce(summary, group=pp_group)
+    if getattr(args, "mtp_depth", 0):
+        mtp = sum((m.mtp_loss for m in mtp_models), torch.zeros((), device=device)).detach().clone()
+        dist.all_reduce(mtp, group=loss_group)
+        if pp > 1:
+            dist.all_reduce(mtp, group=pp_group)
+    return loads, summary, mtp
