@@ -1,10 +1,14 @@
 """Mixture-of-Experts: routing math, balancing, FLOPs, and expert parallel equal to one process."""
+import json
+import os
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import FP32_PARITY, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import ROOT, FP32_PARITY, _launch_ranks, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
@@ -86,6 +90,12 @@ def reference(tmp_path_factory):
     ("ep2_fsdp2", 4, 2, [P + "expert_parallel_degree=2"]),
     ("tp2_dense", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
     ("ep2_tp2", 4, 4, [P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2"]),
+    # experts HSDP-sharded: replicated over dp_replicate 2, each ep rank's experts whole (efsdp 1)
+    ("ep2_hsdp_2x2", 4, 2, [P + "expert_parallel_degree=2", P + "data_parallel_replicate_degree=2"]),
+    # each pipeline stage's experts over its own ep group (tokens per expert summed over the stages)
+    ("pp2_ep2_fsdp2", 4, 4, [P + "expert_parallel_degree=2", P + "pipeline_parallel_degree=2"]),
+    # ep borrows the cp ranks: a token's experts are wherever its sequence shard's peers hold them
+    ("cp2_ep2", 2, 8, [P + "expert_parallel_degree=2", P + "context_parallel_degree=2"]),
 ])
 def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, reference):
     p = run_cli(MOE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
@@ -217,3 +227,17 @@ def test_experts_run_without_a_host_sync():
             model(x)
     finally:
         M.grouped_mm_takes = saved
+
+
+def test_expert_parallel_reads_the_host_once_per_layer():
+    """EP 2 x FSDP 2 on gloo, forward and backward with every host read counted: all_to_all_single
+    takes its split sizes as host lists, so each MoE layer reads its token counts (sent and
+    received, one tensor) once in forward and never in backward; the grouped matmul on the received
+    tokens takes its offsets on the device. (The per-expert loop it replaced read three times per
+    layer: send sizes, receive sizes, expert counts.)"""
+    p = _launch_ranks([sys.executable, os.path.join(ROOT, "tests", "ep_sync_worker.py")], 2,
+                      dict(os.environ, PYTHONUNBUFFERED="1"), timeout=60)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["moe_layers"] > 0
+    assert got["forward"] == got["moe_layers"] and got["backward"] == 0, got

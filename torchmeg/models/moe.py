@@ -144,15 +144,22 @@ def limit_to_groups(select_TE: torch.Tensor, groups: int, keep: int) -> torch.Te
     return select_TE.masked_fill(~allowed[:, :, None].expand_as(g_TGe).reshape(T, E), float("-inf"))
 
 
-def sequence_balance_loss(scores_BLE: torch.Tensor, idx_BLK: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+def sequence_balance_loss(scores_BLE: torch.Tensor, idx_BLK: torch.Tensor, sigmoid: bool,
+                          sequence_sum=None) -> torch.Tensor:
     """DeepSeek-V3 eq. 17-20 without alpha: per sequence, sum_i f_i P_i with f_i = E / (K L) x the
-    tokens routed to expert i and P_i the mean of the token-normalised scores; the mean over sequences."""
+    tokens routed to expert i and P_i the mean of the token-normalised scores; the mean over sequences.
+    `sequence_sum` (context parallel's): sums a per-sequence [B, n] tensor over the sequence's shards,
+    so each shard's counts and score sums become the whole sequence's."""
     B, L, E = scores_BLE.shape
     K = idx_BLK.shape[-1]
     counts_BE = torch.zeros(B, E, device=scores_BLE.device).scatter_add_(
         1, idx_BLK.reshape(B, L * K), torch.ones(B, L * K, device=scores_BLE.device))
     p = scores_BLE / scores_BLE.sum(-1, keepdim=True) if sigmoid else scores_BLE
-    return (counts_BE * (E / (K * L)) * p.mean(1)).sum(1).mean()
+    sums = torch.cat([counts_BE, p.sum(1), counts_BE.new_full((B, 1), float(L))], 1)
+    if sequence_sum is not None:
+        sums = sequence_sum(sums)
+    counts_BE, p_BE, n = sums.split([E, E, 1], 1)
+    return (counts_BE * (E / K) * p_BE / (n * n)).sum(1).mean()
 
 
 class MoE(nn.Module):
@@ -173,6 +180,8 @@ class MoE(nn.Module):
         # False while activation recompute replays this forward in backward: the routed tokens
         # were counted once already (recompute.py turns it off for that replay).
         self.record_stats = True
+        # Set by context parallel: sums per-sequence statistics over the sequence's shards.
+        self.sequence_sum = None
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         B, L, D = x_BLD.shape
@@ -206,7 +215,7 @@ class MoE(nn.Module):
             aux = self.a.aux_loss_coef * self.a.n_experts * (f * p).sum()
         if self.training and self.a.seq_aux_loss_coef > 0:
             seq = self.a.seq_aux_loss_coef * sequence_balance_loss(
-                scores.view(B, L, -1), idx_TK.view(B, L, -1), self.a.score_func == "sigmoid")
+                scores.view(B, L, -1), idx_TK.view(B, L, -1), self.a.score_func == "sigmoid", self.sequence_sum)
             aux = seq if aux is None else aux + seq
         if aux is not None:
             y = _AuxLoss.apply(y, aux * self.aux_loss_scale)

@@ -29,8 +29,11 @@ CPU and GPU alike.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import (all_gather_tensor, all_gather_tensor_autograd,
@@ -348,6 +351,12 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
     if not n:
         raise ValueError("context parallel needs attention modules with an `sdpa` attribute")
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
+    # MoE's sequence-wise balance loss takes whole sequences' statistics: summed over the shards,
+    # autograd-aware (the backward's cp x sum of equal gradients is undone by the dp x cp mean)
+    whole = functools.partial(dist_nn.all_reduce, group=cp_mesh.get_group())
+    for mod in model.modules():
+        if hasattr(mod, "sequence_sum"):
+            mod.sequence_sum = whole
 
     def add_positions(mod, args, kwargs):
         kwargs = dict(kwargs)

@@ -94,6 +94,3 @@ def check(cfg, args, dims) -> None:
     if dims.fsdp % ep:
         raise ConfigError(f"{key}: EP borrows ranks from data_parallel_shard_degree x context_parallel_degree = "
                           f"{dims.fsdp}; pick a divisor of it")
-    for what, n in (("data_parallel_replicate_degree", dims.dp_replicate), ("pipeline_parallel_degree", dims.pp)):
-        if n > 1:
-            raise ConfigError(f"{key} with parallelism.{what} = {n}: not yet supported; use EP with FSDP / CP / TP")

@@ -84,7 +84,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     expert_mesh = None
     if dims.ep > 1:
         apply_ep(model, ep_mesh["ep"])
-        expert_mesh = ep_mesh["efsdp"]
+        # (HSDP: the experts replicated over dp_replicate and sharded over efsdp, as the rest)
+        expert_mesh = ep_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else ep_mesh["efsdp"]
     if cfg.activation_checkpoint.mode != "none":
         report["recompute_blocks"] = apply_recompute(model, cfg.activation_checkpoint, path)
     if cfg.compile.enable and "model" in cfg.compile.components:

@@ -58,7 +58,6 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     if dims.ep > 1:
         expert.check(cfg, args, dims)
     dims.check_tp(args, cfg)
-    _check_deepseek(args, dims)
     _check_dpo(cfg, dims)
     layout = _layout(cfg, world_size, dims, spec, args)
     if data:
@@ -81,14 +80,6 @@ def _check_dpo(cfg, dims) -> None:
         if bad:
             raise ConfigError(f"{key} = {value} with training.objective = \"dpo\": not supported (a pair's rows are "
                               f"whole sequences scored by their summed log-probs); use TP, FSDP/HSDP/DDP or EP")
-
-
-def _check_deepseek(args, dims) -> None:
-    """Layouts DeepSeek-V3's extra losses do not take yet, each refused naming the key."""
-    if getattr(args, "seq_aux_loss_coef", 0) > 0 and dims.cp > 1:
-        raise ConfigError(f"model.seq_aux_loss_coef = {args.seq_aux_loss_coef} with "
-                          f"parallelism.context_parallel_degree = {dims.cp}: the sequence-wise balance loss needs "
-                          f"whole sequences; set it to 0")
 
 
 def _tokenizer_vocab(cfg: Config, data: bool) -> int | None:
