@@ -88,8 +88,6 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("ep2", 2, 4, [P + "expert_parallel_degree=2"]),
     ("ep2_fsdp2", 4, 2, [P + "expert_parallel_degree=2"]),
-    ("tp2_dense", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
-    ("ep2_tp2", 4, 4, [P + "expert_parallel_degree=2", P + "tensor_parallel_degree=2"]),
     # experts HSDP-sharded: replicated over dp_replicate 2, each ep rank's experts whole (efsdp 1)
     ("ep2_hsdp_2x2", 4, 2, [P + "expert_parallel_degree=2", P + "data_parallel_replicate_degree=2"]),
     # each pipeline stage's experts over its own ep group (tokens per expert summed over the stages)
@@ -104,6 +102,34 @@ def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, 
     for a, b in zip(reference, got):
         assert a["tokens_per_expert"] == b["tokens_per_expert"]  # the same routing, globally
     assert "experts max/mean" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+@pytest.mark.parametrize("name, ranks, local, layout, share", [
+    ("tp2", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"], 2),
+    ("tp2_ep2_fsdp2", 4, 4, [P + "tensor_parallel_degree=2", P + "expert_parallel_degree=2"], 4),
+    ("tp2_no_sp", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1",
+                         P + "sequence_parallel=false"], 1),
+], ids=["tp2", "tp2_ep2_fsdp2", "tp2_no_sp"])
+def test_tp_spreads_the_routed_experts_over_its_ranks(name, ranks, local, layout, share, tmp_path, reference):
+    """Under TP with sequence parallel each rank routes its own sequence shard and the routed experts
+    spread over tp (x ep): a rank holds 1/tp (1/(tp ep)) of every expert weight, asserted from the
+    parameters' local shapes, the router and shared expert whole; = one process, routing included.
+    Without sequence parallel every TP rank holds the whole sequence and all experts."""
+    rec = tmp_path / "ops"
+    run_cli(MOE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks,
+            env={"TORCHMEG_RECORD_OPS": str(rec)})
+    got = read_metrics(tmp_path)
+    assert_parity(reference, got)
+    for a, b in zip(reference, got):
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+    for rank in range(ranks):
+        params = json.loads((tmp_path / f"ops.rank{rank}.json").read_text())["params"]
+        experts = {k: v for k, v in params.items() if ".moe.experts." in k}
+        assert experts and all(v["local"][0] * share == v["global"][0] for v in experts.values()), experts
+        router = params["layers.1.moe.router.weight"]  # replicated over tp (FSDP may shard it over dp)
+        assert all(p == "Replicate" for m, p in zip(router["mesh"], router["placements"]) if m == "tp"), router
 
 
 @pytest.mark.slow

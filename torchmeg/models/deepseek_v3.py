@@ -310,15 +310,16 @@ _FFN = [e for e in DECODER_TP if e[0].startswith(("layers.*.ffn_norm", "layers.*
 
 
 def tp_plan(model) -> list[tuple[str, str]]:
-    """Embedding, every block (MLA as above; dense FFN as Llama; the routed MoE whole on every rank,
-    parallelised by EP), the MTP modules' blocks alike, final norm and output."""
+    """Embedding, every block (MLA as above; dense FFN as Llama; the MoE on each rank's sequence
+    shard, its routed experts spread over tp and ep), the MTP modules' blocks alike, final norm and
+    output."""
     plan = [("tok_embeddings", "embedding")] + _FFN + [("layers.*." + p, r) for p, r in MLA_TP]
-    plan += [("layers.*.moe", "sp_replicated")]
+    plan += [("layers.*.moe", "experts_over_tp")]
     if getattr(model, "mtp", None) is not None:
         # (eh_proj works on each position alone: on sequence shards, its weight's gradient summed over tp)
         plan += [("mtp.*.enorm", "sp_norm_local"), ("mtp.*.hnorm", "sp_norm_local"), ("mtp.*.eh_proj", "sp_norm_local"),
                  ("mtp.*.norm", "sp_norm"),
-                 ("mtp.*.block.moe", "sp_replicated")]
+                 ("mtp.*.block.moe", "experts_over_tp")]
         plan += [(p.replace("layers.*.", "mtp.*.block."), r) for p, r in _FFN]
         plan += [("mtp.*.block." + p, r) for p, r in MLA_TP]
     plan += [("norm", "sp_norm"), ("output", "output")]

@@ -145,21 +145,35 @@ def limit_to_groups(select_TE: torch.Tensor, groups: int, keep: int) -> torch.Te
 
 
 def sequence_balance_loss(scores_BLE: torch.Tensor, idx_BLK: torch.Tensor, sigmoid: bool,
-                          sequence_sum=None) -> torch.Tensor:
+                          shard_sum=None) -> torch.Tensor:
     """DeepSeek-V3 eq. 17-20 without alpha: per sequence, sum_i f_i P_i with f_i = E / (K L) x the
     tokens routed to expert i and P_i the mean of the token-normalised scores; the mean over sequences.
-    `sequence_sum` (context parallel's): sums a per-sequence [B, n] tensor over the sequence's shards,
-    so each shard's counts and score sums become the whole sequence's."""
+    `shard_sum` (context / sequence parallel's): sums per-sequence [B, n] statistics over the ranks
+    holding the sequence's other parts, so each rank's counts and score sums become the whole's."""
     B, L, E = scores_BLE.shape
     K = idx_BLK.shape[-1]
     counts_BE = torch.zeros(B, E, device=scores_BLE.device).scatter_add_(
         1, idx_BLK.reshape(B, L * K), torch.ones(B, L * K, device=scores_BLE.device))
     p = scores_BLE / scores_BLE.sum(-1, keepdim=True) if sigmoid else scores_BLE
     sums = torch.cat([counts_BE, p.sum(1), counts_BE.new_full((B, 1), float(L))], 1)
-    if sequence_sum is not None:
-        sums = sequence_sum(sums)
+    if shard_sum is not None:
+        sums = shard_sum(sums)
     counts_BE, p_BE, n = sums.split([E, E, 1], 1)
     return (counts_BE * (E / K) * p_BE / (n * n)).sum(1).mean()
+
+
+def batch_balance_loss(scores_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int, softmax: bool,
+                       shard_sum=None) -> torch.Tensor:
+    """Switch / GShard's balance loss without its coefficient: E x sum_i f_i P_i over the batch, f_i
+    the fraction of routed (token, expert) pairs going to expert i, P_i the mean normalised score;
+    `shard_sum` as above, over the batch's whole sequences."""
+    T, E = scores_TE.shape
+    p = scores_TE if softmax else scores_TE / scores_TE.sum(-1, keepdim=True)
+    sums = torch.cat([counts_E.float(), p.sum(0), counts_E.new_full((1,), T, dtype=torch.float32)])
+    if shard_sum is not None:
+        sums = shard_sum(sums)
+    counts, p_sum, n = sums.split([E, E, 1])
+    return E * (counts / (n * top_k) * p_sum / n).sum()
 
 
 class MoE(nn.Module):
@@ -180,8 +194,9 @@ class MoE(nn.Module):
         # False while activation recompute replays this forward in backward: the routed tokens
         # were counted once already (recompute.py turns it off for that replay).
         self.record_stats = True
-        # Set by context parallel: sums per-sequence statistics over the sequence's shards.
-        self.sequence_sum = None
+        # Set by context / sequence parallel: sums token statistics over the ranks that hold other
+        # parts of the same sequences (torchmeg.parallel.expert.sum_over_shards).
+        self.shard_sum = None
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         B, L, D = x_BLD.shape
@@ -210,12 +225,11 @@ class MoE(nn.Module):
             y = y + self.shared(x)
         aux = None
         if self.training and self.a.balance == "aux_loss" and self.a.aux_loss_coef > 0:
-            f = counts.float() / idx_TK.numel()
-            p = scores.mean(0) if self.a.score_func == "softmax" else (scores / scores.sum(-1, keepdim=True)).mean(0)
-            aux = self.a.aux_loss_coef * self.a.n_experts * (f * p).sum()
+            aux = self.a.aux_loss_coef * batch_balance_loss(scores, counts, self.a.top_k,
+                                                            self.a.score_func == "softmax", self.shard_sum)
         if self.training and self.a.seq_aux_loss_coef > 0:
             seq = self.a.seq_aux_loss_coef * sequence_balance_loss(
-                scores.view(B, L, -1), idx_TK.view(B, L, -1), self.a.score_func == "sigmoid", self.sequence_sum)
+                scores.view(B, L, -1), idx_TK.view(B, L, -1), self.a.score_func == "sigmoid", self.shard_sum)
             aux = seq if aux is None else aux + seq
         if aux is not None:
             y = _AuxLoss.apply(y, aux * self.aux_loss_scale)
@@ -290,4 +304,4 @@ FLAVORS = {
 
 # Attention and dense FFNs as in Llama; the routed block's input is gathered and its output
 # re-sharded, so experts stay whole on every TP rank (their parallelism is EP).
-TP_PLAN = [("tok_embeddings", "embedding")] + DECODER_TP + [("layers.*.moe", "sp_replicated")]
+TP_PLAN = [("tok_embeddings", "embedding")] + DECODER_TP + [("layers.*.moe", "experts_over_tp")]

@@ -29,17 +29,15 @@ CPU and GPU alike.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import (all_gather_tensor, all_gather_tensor_autograd,
                                                        all_to_all_single_autograd, reduce_scatter_tensor)
 
 from torchmeg.config.errors import ConfigError
+from torchmeg.parallel.expert import sum_over_shards
 from torchmeg.models.attention import document_attention, document_positions, repeat_kv
 
 MODES = ("allgather", "ring", "alltoall")
@@ -351,12 +349,9 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
     if not n:
         raise ValueError("context parallel needs attention modules with an `sdpa` attribute")
     rank, size = cp_mesh.get_local_rank(), cp_mesh.size()
-    # MoE's sequence-wise balance loss takes whole sequences' statistics: summed over the shards,
-    # autograd-aware (the backward's cp x sum of equal gradients is undone by the dp x cp mean)
-    whole = functools.partial(dist_nn.all_reduce, group=cp_mesh.get_group())
     for mod in model.modules():
-        if hasattr(mod, "sequence_sum"):
-            mod.sequence_sum = whole
+        if hasattr(mod, "shard_sum"):  # (MoE's balance losses: whole sequences' token statistics)
+            sum_over_shards(mod, cp_mesh.get_group(), sum_grads=True)
 
     def add_positions(mod, args, kwargs):
         kwargs = dict(kwargs)

@@ -33,6 +33,9 @@ class ParallelDims:
     pp: int
     ep: int
     world_size: int
+    # MoE under TP with sequence parallel: each TP rank routes its own sequence shard and the routed
+    # experts are spread over the tp ranks (with EP: over ep x tp); set by validate for MoE models
+    experts_over_tp: bool = False
 
     @classmethod
     def from_config(cls, cfg, world_size: int) -> "ParallelDims":
@@ -130,10 +133,21 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         return mesh
 
+    @property
+    def expert_dispatch_dim(self) -> str:
+        """The ep mesh dim whose ranks exchange tokens and split the routed experts."""
+        if self.experts_over_tp:
+            return "ep_tp" if self.ep > 1 else "tp"
+        return "ep"
+
     def build_ep_mesh(self, device_type: str):
-        """Expert parallel: the same ranks with dp_shard x cp regrouped as (efsdp, ep), ep innermost;
-        None without EP."""
-        if self.ep == 1:
+        """Expert parallel: the same ranks with dp_shard x cp regrouped as (efsdp, ep), ep innermost
+        (and ep x tp flattened as ep_tp when the experts also spread over tp); None when the routed
+        experts are not distributed."""
+        if self.ep == 1 and not self.experts_over_tp:
             return None
-        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.fsdp // self.ep, self.ep, self.tp),
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.fsdp // self.ep, self.ep, self.tp),
                                 mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+        if self.experts_over_tp and self.ep > 1:
+            mesh["ep", "tp"]._flatten("ep_tp")
+        return mesh

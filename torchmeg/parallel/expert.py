@@ -4,8 +4,11 @@ to their experts and back with two all-to-alls (GShard, Lepikhin et al. 2020).
 The ep group is carved out of dp_shard x cp (torchtitan's scheme: EP borrows data-parallel ranks
 and adds none): those F ranks are viewed as (efsdp, ep) with ep innermost. Expert weights are
 DTensors sharded on dim 0 over `ep` and FSDP-sharded over `efsdp`; everything else is sharded
-over all F ranks as usual. With TP, experts run whole on every TP rank (the dense parts are
-TP-sharded), each TP rank dispatching within its own ep group.
+over all F ranks as usual. With TP and sequence parallel, each TP rank routes its own sequence
+shard and the experts spread over ep x tp (`ep_tp`; over tp alone without EP): the tokens of a
+TP group's shards meet at their experts as the ep group's do, each expert on one rank of the
+ep x tp group, none computed twice (Megatron's expert parallel over the TP ranks). Without
+sequence parallel every TP rank holds the whole sequence: experts run whole on every TP rank.
 
 Dispatch, per MoE layer: (1) exchange per-expert token counts (all_to_all_single on a small int
 tensor), (2) send every (token, expert) pair to the expert's owner — all_to_all_single with
@@ -94,3 +97,43 @@ def check(cfg, args, dims) -> None:
     if dims.fsdp % ep:
         raise ConfigError(f"{key}: EP borrows ranks from data_parallel_shard_degree x context_parallel_degree = "
                           f"{dims.fsdp}; pick a divisor of it")
+    if dims.experts_over_tp and args.n_experts % (ep * dims.tp):
+        raise ConfigError(f"parallelism.tensor_parallel_degree = {dims.tp}: the routed experts are spread over "
+                          f"expert_parallel_degree x tensor_parallel_degree = {ep * dims.tp} ranks, which does not "
+                          f"divide model.n_experts = {args.n_experts}; pick degrees whose product divides it "
+                          f"(or set parallelism.sequence_parallel = false to run every expert on every TP rank)")
+
+
+class _SumStatistics(torch.autograd.Function):
+    """Sums `t` over `group`. Backward: the ranks' upstream gradients summed (`sum_grads`), or this
+    rank's passed through."""
+
+    @staticmethod
+    def forward(ctx, t, group, sum_grads: bool):
+        ctx.group, ctx.sum_grads = group, sum_grads
+        out = t.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.sum_grads:
+            g = g.clone()
+            dist.all_reduce(g, group=ctx.group)
+        return g, None, None
+
+
+def sum_over_shards(module: nn.Module, group, sum_grads: bool) -> None:
+    """A MoE's balance losses read token statistics (per sequence or per batch); when other ranks
+    hold other parts of the same sequences (context parallel's shards; sequence parallel's when the
+    experts spread over tp) those statistics are summed over `group` first, so every rank computes
+    the whole sequences' loss. Its gradient reaches each rank's own tokens' scores; the weights'
+    gradients over those ranks then need the sum of every rank's: under CP, whose gradients are
+    averaged over dp x cp, the backward sums the ranks' (equal) upstream gradients (`sum_grads`, cp x,
+    undone by the mean); under TP the router's gradient is summed over tp by its own reduction, so
+    the backward passes through. Composes with a sum set earlier (CP, then TP)."""
+    prev = module.shard_sum
+
+    def reduce(t):
+        return _SumStatistics.apply(t if prev is None else prev(t), group, sum_grads)
+    module.shard_sum = reduce

@@ -17,7 +17,11 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
   head_shared          an identity on a tensor every head reads (MLA's rotary key): each rank's heads
                        give part of its gradient, summed over tp in backward (no forward traffic)
   sp_replicated        a module computed whole on every TP rank: input gathered, output re-sharded
-                       (SP only; MoE experts, which EP parallelises instead)
+                       (SP only)
+  experts_over_tp      a MoE layer on this rank's sequence shard (SP only): router and shared experts
+                       replicated, their gradients summed over tp (each rank routes other tokens), the
+                       balance losses' token statistics summed over tp; the routed experts are spread
+                       over the tp ranks by expert parallel (torchmeg.parallel.expert)
   colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
   output               column-parallel LM head: vocab-sharded logits for loss_parallel, else gathered
   replicate_grad_allreduce
@@ -36,12 +40,14 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from torchmeg.parallel.expert import sum_over_shards
 from torchmeg.parallel.float8 import is_float8_linear
 from torchmeg.models.blocks import fqn_matches
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_input_local",
-         "sp_replicated", "colwise", "rowwise", "output", "replicate_grad_allreduce", "head_shared")
+         "sp_replicated", "experts_over_tp", "colwise", "rowwise", "output", "replicate_grad_allreduce",
+         "head_shared")
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -93,6 +99,21 @@ class _ReplicateGradAllReduce(ParallelStyle):
             return out.to_local() if isinstance(out, DTensor) else out
 
         return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+class _ExpertsOverTP(ParallelStyle):
+    """experts_over_tp (see the module docstring). The router and shared experts are per-token maps,
+    so _ReplicateGradAllReduce applies to them with the flattened tokens as its leading dim."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        for name in ("router", "shared"):
+            if getattr(module, name, None) is not None:
+                _ReplicateGradAllReduce()._apply(getattr(module, name), device_mesh)
+        sum_over_shards(module, device_mesh.get_group(), sum_grads=False)
+        # (the sequence-parallel norm before it hands a DTensor sequence shard: its local part)
+        module.register_forward_pre_hook(lambda mod, args: tuple(a.to_local() if isinstance(a, DTensor) else a
+                                                                 for a in args))
+        return module
 
 
 class _SumGradOverTP(ParallelStyle):
@@ -158,6 +179,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                         use_local_input=True, output_layouts=(Replicate(),),
                                         desired_output_layouts=(Shard(1),), use_local_output=True)
+    if role == "experts_over_tp":
+        return _ExpertsOverTP()
     if role == "sp_norm":
         return SequenceParallel()
     if role == "sp_norm_local":

@@ -233,7 +233,8 @@ def _router_stats(built, layout: Layout, mesh) -> None:
     """The step's MoE balancing / router log collectives, as the trainer issues them."""
     modules = [m for part in built.parts for m in part.modules()]
     reduce_router_stats([m for m in modules if hasattr(m, "update_bias")], [m for m in modules if hasattr(m, "mtp_loss")],
-                        layout.args, layout.dims.pp, mesh["dp_cp"].get_group(), mesh["pp"].get_group(), "cpu")
+                        layout.args, layout.dims.pp, mesh["dp_cp"].get_group(), mesh["pp"].get_group(), "cpu",
+                        mesh["tp"].get_group() if layout.dims.experts_over_tp else None)
 
 
 def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks):

@@ -63,7 +63,7 @@ def mesh_group_labels(*meshes) -> dict[str, str]:
     """Process-group name -> the mesh dimension it serves (flattened dims too; first name wins)."""
     labels = {}
     for m in meshes:
-        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "efsdp", "ep"):
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp", "efsdp", "ep", "ep_tp"):
             try:
                 sub = m[name]
             except (KeyError, RuntimeError, ValueError):

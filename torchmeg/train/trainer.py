@@ -227,8 +227,9 @@ class Trainer:
     def _route_stats_and_balance(self) -> None:
         """MoE: global tokens per expert this step -> load-balancing bias update and router stats;
         DeepSeek-V3's MTP loss for the log."""
+        tp = self.mesh["tp"].get_group() if self.dims.experts_over_tp else None
         loads, summary, mtp = reduce_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims.pp,
-                                                  self.loss_group, self.pp_group, self.device)
+                                                  self.loss_group, self.pp_group, self.device, tp)
         for m, load in zip(self.moe_layers, loads if loads is not None else []):
             m.update_bias(load)
             m.tokens_per_expert.zero_()

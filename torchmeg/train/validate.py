@@ -8,6 +8,8 @@ on the machine (features). The first failure raises ConfigError with one line.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 from torchmeg.config.schema import Config
@@ -51,11 +53,13 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     check_model_args(cfg, spec, args, vocab)
 
     dims = ParallelDims.from_config(cfg, world_size)
+    if dims.tp > 1 and p.sequence_parallel and getattr(args, "n_experts", 0):
+        dims = dataclasses.replace(dims, experts_over_tp=True)
     if dims.pp > 1:
         pipeline.check(cfg, args, dims.pp)
     if dims.cp > 1:
         context.check(cfg, args, dims)
-    if dims.ep > 1:
+    if dims.ep > 1 or dims.experts_over_tp:
         expert.check(cfg, args, dims)
     dims.check_tp(args, cfg)
     _check_dpo(cfg, dims)
