@@ -7,37 +7,12 @@ import json
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_reads import HostReads
 from torchmeg.config.schema import load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.parallel import ParallelDims
 from torchmeg.parallel.parallelize import parallelize
-
-
-class CountHostReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.n += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
-        for name, f in self._saved.items():
-            def counted(*a, _f=f, **k):
-                self.n += 1
-                return _f(*a, **k)
-            setattr(torch.Tensor, name, counted)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for name, f in self._saved.items():
-            setattr(torch.Tensor, name, f)
-        return super().__exit__(*exc)
 
 
 def main():
@@ -49,9 +24,9 @@ def main():
     layers = sum(1 for m in model.modules() if hasattr(m, "update_bias"))
     parallelize(model, dims, cfg, mesh=dims.build_mesh("cpu"), ep_mesh=dims.build_ep_mesh("cpu"))
     x = torch.randint(0, 257, (4, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-    with CountHostReads() as fwd:
+    with HostReads(refuse=False) as fwd:
         loss = model(x).float().pow(2).mean()
-    with CountHostReads() as bwd:
+    with HostReads(refuse=False) as bwd:
         loss.backward()
     if dist.get_rank() == 0:
         print(json.dumps({"forward": fwd.n, "backward": bwd.n, "moe_layers": layers}), flush=True)

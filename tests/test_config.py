@@ -110,3 +110,21 @@ def test_cuda_requested_without_cuda(capsys):
         validate(load_config(RECIPE, argv[2:]), world_size=1)
     else:
         _fails(capsys, argv, "training.device", "cuda", "auto")
+
+
+def test_tf32_is_set_on_cuda_only():
+    """training.tf32 sets torch's TF32 flags for a CUDA device (global flags: no CUDA call, so this
+    runs on a CPU-only build) and leaves a CPU run's as they are."""
+    import torch
+    from torchmeg.runtime.process import set_matmul_precision
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for tf32 in (True, False):
+            cfg = load_config(None, [f"--training.tf32={str(tf32).lower()}"])
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+            set_matmul_precision(cfg, torch.device("cpu"))
+            assert torch.backends.cuda.matmul.allow_tf32 is (not tf32)
+            set_matmul_precision(cfg, torch.device("cuda"))
+            assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -89,7 +89,8 @@ LAYOUTS = [
     # MTP on the last stage reads the first stage's embedding of the tokens ahead, passed down the
     # pipeline; ZBV puts the first and last stage on one rank and splits the backward in two.
     # (under PP the MoE balancing counts no tokens of torch's shape-inference forward: see pipeline.py)
-    ("pp2", 2, 8, [P + "pipeline_parallel_degree=2", P + "pipeline_parallel_microbatches=4"]),
+    ("pp2_uneven_3_1", 2, 8, [P + "pipeline_parallel_degree=2", P + "pipeline_parallel_microbatches=4",
+                              P + "pipeline_parallel_layers_per_stage=[3, 1]"]),
     ("pp2_zbv_accum2", 2, 4, [P + "pipeline_parallel_degree=2", P + "pipeline_parallel_schedule=ZBVZeroBubble",
                               P + "pipeline_parallel_layers_per_stage=1"]),
 ]

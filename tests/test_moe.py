@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from host_reads import HostReads
 from conftest import ROOT, FP32_PARITY, _launch_ranks, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
@@ -209,31 +209,6 @@ def test_recompute_does_not_count_routed_tokens_twice(tmp_path):
         assert_parity(plain, got)
 
 
-class _NoHostSync(TorchDispatchMode):
-    """Raises on anything that reads a tensor's value on the host: the dispatcher's
-    _local_scalar_dense (.item(), int(t), bool(t), ...) and .tolist() / .numpy() (which do not
-    dispatch, so they are patched for the duration)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            raise AssertionError("host sync: a tensor's value was read on the host")
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self._saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
-
-        def refuse(*a, **k):
-            raise AssertionError("host sync: .tolist() / .numpy()")
-        for n in self._saved:
-            setattr(torch.Tensor, n, refuse)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for n, f in self._saved.items():
-            setattr(torch.Tensor, n, f)
-        return super().__exit__(*exc)
-
-
 def test_experts_run_without_a_host_sync():
     """The MoE model, forward and backward, with every host read of a tensor refused: routing counts
     stay on the device and the experts run as grouped matmuls (torch._grouped_mm). The loop over
@@ -243,13 +218,13 @@ def test_experts_run_without_a_host_sync():
     model = build_model(cfg, 257, "cpu")
     init_weights(model, seed=0)
     x = torch.randint(0, 257, (4, 64))
-    with _NoHostSync():
+    with HostReads():
         model(x).float().pow(2).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
     saved = M.grouped_mm_takes
     M.grouped_mm_takes = lambda *a: False  # the loop
     try:
-        with pytest.raises(AssertionError, match="host sync"), _NoHostSync():
+        with pytest.raises(AssertionError, match="host sync"), HostReads():
             model(x)
     finally:
         M.grouped_mm_takes = saved

@@ -92,6 +92,8 @@ class Training:
     global_batch_size: int = _f(-1, lo=-1)
     max_norm: float = _f(1.0, lo=0.0)
     mixed_precision: str = _f("fp32", choices=["fp32", "bf16"])
+    tf32: bool = _f(True, help="CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa); "
+                               "false keeps full fp32")
     device: str = _f("auto", choices=["auto", "cpu", "cuda"])
     deterministic: bool = _f(False)
     on_nonfinite: str = _f("skip", choices=["skip", "stop"])

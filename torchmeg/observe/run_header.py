@@ -40,6 +40,7 @@ def header_lines(tr) -> list[str]:
         f"{tr.flops_per_token / 1e6:.1f} MFLOP/token at seq {c.data.seq_len}",
         data_line,
         f"layout     {d.describe()} | {tr.device.type} ({dist.get_backend()}) | {c.training.mixed_precision}"
+        + (" (TF32 matmuls)" if tr.device.type == "cuda" and c.training.tf32 and c.training.mixed_precision == "fp32" else "")
         + (" | glibc keeps freed memory" if runtime.FREED_MEMORY_KEPT else "")
         + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
         *_node_lines(d),
