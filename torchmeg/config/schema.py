@@ -71,8 +71,7 @@ class Data:
     cache_dir: str = _f("", help="where built-in datasets are cached; '' = $TORCHMEG_CACHE or ~/.cache/torchmeg")
     document_masking: bool = _f(False, help="attention stays within each document of a window and positions "
                                            "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
-    mask_eod_loss: bool = _f(False, help="no loss on predicting a document's first token from the previous "
-                                        "document's end (Megatron's --eod-mask-loss)")
+    mask_eod_loss: bool = _f(False, help="no loss on a document's first token (Megatron's --eod-mask-loss)")
     chat_template: str = _f("", help="sft/dpo: '' = the tokenizer folder's own; chatml, llama3, a folder or a .jinja")
     train_on_prompt: bool = _f(False, help="sft: every token is a target, not only the assistant turns")
     long_conversations: str = _f("truncate", choices=["truncate", "drop"], help="sft: longer than seq_len: cut or left out")
@@ -92,8 +91,7 @@ class Training:
     global_batch_size: int = _f(-1, lo=-1)
     max_norm: float = _f(1.0, lo=0.0)
     mixed_precision: str = _f("fp32", choices=["fp32", "bf16"])
-    tf32: bool = _f(True, help="CUDA: fp32 matmuls and convolutions on TF32 tensor cores (10-bit mantissa); "
-                               "false keeps full fp32")
+    tf32: bool = _f(True, help="CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); false: full fp32")
     device: str = _f("auto", choices=["auto", "cpu", "cuda"])
     deterministic: bool = _f(False)
     on_nonfinite: str = _f("skip", choices=["skip", "stop"])
