@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
-from torchmeg.train.router_stats import reduce_router_stats
+from torchmeg.train.router_stats import reduce_router_stats, router_modules
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
 from torchmeg.config.layout import Layout
@@ -231,10 +231,7 @@ def _step(forward_backward, model, opt, extra_groups):
 
 def _router_stats(built, layout: Layout, mesh) -> None:
     """The step's MoE balancing / router log collectives, as the trainer issues them."""
-    modules = [m for part in built.parts for m in part.modules()]
-    reduce_router_stats([m for m in modules if hasattr(m, "update_bias")], [m for m in modules if hasattr(m, "mtp_loss")],
-                        layout.args, layout.dims.pp, mesh["dp_cp"].get_group(), mesh["pp"].get_group(), "cpu",
-                        mesh["tp"].get_group() if layout.dims.experts_over_tp else None)
+    reduce_router_stats(*router_modules(built.parts), layout.args, layout.dims, mesh, "cpu")
 
 
 def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks):

@@ -7,23 +7,29 @@ import torch
 import torch.distributed as dist
 
 
-def reduce_router_stats(moe_layers: list, mtp_models: list, args, pp: int, loss_group, pp_group, device,
-                        tp_group=None):
+def router_modules(parts) -> tuple[list, list]:
+    """(MoE layers, models with an MTP loss) of this rank's model parts."""
+    modules = [m for part in parts for m in part.modules()]
+    return [m for m in modules if hasattr(m, "update_bias")], [m for m in modules if hasattr(m, "mtp_loss")]
+
+
+def reduce_router_stats(moe_layers: list, mtp_models: list, args, dims, mesh, device):
     """-> (loads [this rank's MoE layers, experts] summed over the loss group (dp x cp), the log's
     summary [tokens per expert over every layer..., sum of per-layer max/mean, layers] or None, the
     MTP loss summed over the loss group or None). Under PP each stage holds its own layers: the
     summary and the MTP loss (last stage only) are summed over the pipeline too, every rank
     joining whether it holds MoE layers or not, so whichever rank prints logs the whole model. With
-    the experts over tp each TP rank routes its own sequence shard: the loads are summed over
-    `tp_group` too, so every TP rank updates its routing bias alike."""
+    the experts over tp each TP rank routes its own sequence shard: the loads are summed over tp
+    too, so every TP rank updates its routing bias alike."""
+    pp, loss_group, pp_group = dims.pp, mesh["dp_cp"].get_group(), mesh["pp"].get_group()
     n_experts = getattr(args, "n_experts", 0) if pp > 1 else 0
     loads = summary = mtp = None
     if moe_layers or n_experts:
         loads = torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else \
             torch.zeros(0, n_experts, device=device)
         dist.all_reduce(loads, group=loss_group)
-        if tp_group is not None:
-            dist.all_reduce(loads, group=tp_group)
+        if dims.experts_over_tp:
+            dist.all_reduce(loads, group=mesh["tp"].get_group())
         ratio = loads.max(1).values / loads.mean(1).clamp_min(1e-9) if moe_layers else loads.new_zeros(0)
         summary = torch.cat([loads.sum(0), ratio.sum().view(1), loads.new_full((1,), float(len(loads)))])
         if n_experts:

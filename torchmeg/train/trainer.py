@@ -39,7 +39,7 @@ from torchmeg.observe.peak import peak_flops, repair_peak
 from torchmeg.observe.profiling import StepProfiler
 from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
-from torchmeg.train.router_stats import reduce_router_stats
+from torchmeg.train.router_stats import reduce_router_stats, router_modules
 from torchmeg.train.spike import SpikeGuard, batch_samples
 from torchmeg.train.state import TrainState
 from torchmeg.train.dpo import prepare_reference
@@ -94,11 +94,10 @@ class Trainer:
         self.model = built.model
         self.params = list(self.model.parameters())
         self.flops_per_token = flops_per_token(built.whole, layout.args, cfg.data.seq_len)
-        self.moe_layers = [m for m in self.model.modules() if hasattr(m, "update_bias")]
+        self.moe_layers, self.mtp_models = router_modules(built.parts)
         # The aux loss rides with the LM loss, which is divided by the microbatch count here;
         # under PP the schedule divides every gradient by its microbatch count itself (scale_grads).
         # (DeepSeek-V3's MTP loss rides the same way: the model keeps its own scale and last value.)
-        self.mtp_models = [m for part in built.parts for m in part.modules() if hasattr(m, "mtp_loss")]
         for m in self.moe_layers + self.mtp_models:
             if hasattr(m, "aux_loss_scale"):
                 m.aux_loss_scale = 1.0 if built.schedule is not None else 1.0 / layout.accum
@@ -227,9 +226,8 @@ class Trainer:
     def _route_stats_and_balance(self) -> None:
         """MoE: global tokens per expert this step -> load-balancing bias update and router stats;
         DeepSeek-V3's MTP loss for the log."""
-        tp = self.mesh["tp"].get_group() if self.dims.experts_over_tp else None
-        loads, summary, mtp = reduce_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims.pp,
-                                                  self.loss_group, self.pp_group, self.device, tp)
+        loads, summary, mtp = reduce_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims,
+                                                  self.mesh, self.device)
         for m, load in zip(self.moe_layers, loads if loads is not None else []):
             m.update_bias(load)
             m.tokens_per_expert.zero_()
