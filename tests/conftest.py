@@ -289,6 +289,16 @@ def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def debug_run(tmp_path_factory):
+    """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end: the
+    trained model generation, evaluation and serving are tested on (job name "debug")."""
+    d = tmp_path_factory.mktemp("debug_run")
+    run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
+             "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug", timeout=240)
+    return d
+
+
+@pytest.fixture(scope="session")
 def short_docs(tmp_path_factory):
     """A store of short documents (stdlib functions), so 32-token windows cross boundaries."""
     d = tmp_path_factory.mktemp("short")

@@ -34,6 +34,8 @@ PACKAGE_DEPS = {
     "train": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe"},
     "inference": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
     "plan": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
+    "serving": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train",
+                "inference"},                      # the HTTP server over inference's sampling and loading
 }
 # Within config: errors and the Layout record import nothing of torchmeg; the schema only errors.
 ALLOWED = {
@@ -42,7 +44,8 @@ ALLOWED = {
     "torchmeg.config.schema": {"torchmeg.config", "torchmeg.config.errors"},
 }
 # The top of the package: its __init__ and the thin `python -m torchmeg.X` entry modules.
-ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch", "torchmeg.convert"}
+ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch", "torchmeg.convert",
+                 "torchmeg.serve"}
 ENTRY_MAX_LINES = 12
 ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args")
 

@@ -120,15 +120,6 @@ def _prompt_args():
     return sum((["--prompt", p] for p in PROMPTS), [])
 
 
-@pytest.fixture(scope="module")
-def debug_run(tmp_path_factory):
-    """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end."""
-    d = tmp_path_factory.mktemp("debug_run")
-    run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
-             "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug", timeout=240)
-    return d
-
-
 def _transformers_greedy(folder, rows, new_tokens=32, eos=256):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(folder)).eval()

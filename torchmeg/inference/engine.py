@@ -14,6 +14,7 @@ and gives each row its own positions).
 """
 from __future__ import annotations
 
+import inspect
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -112,7 +113,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
     streams = row_streams(prompts, sample_index)
     out = [Generated(list(p)) for p in prompts]
     t0 = time.perf_counter()
-    logits = model(tokens, positions=cache.positions(P), cache=cache)[:, -1].float()
+    logits = model(tokens, positions=cache.positions(P), cache=cache, **last_only(model))[:, -1].float()
     cache.advance(P)
     _sync(device)
     prefill_ms, t1, decoded = 1000 * (time.perf_counter() - t0), time.perf_counter(), 0
@@ -143,6 +144,12 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
     for g in out:
         g.prefill_ms, g.decode_tokens_per_sec = prefill_ms, rate
     return out
+
+
+def last_only(model) -> dict:
+    """The keyword that makes a prefill compute the head on the last position only, where the model
+    takes it (torchmeg's families do; a user's model may not): [B, 1, V] logits, not [B, P, V]."""
+    return {"last_only": True} if "last_only" in inspect.signature(model.forward).parameters else {}
 
 
 def decode_one(model, tokens_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -216,7 +216,7 @@ class DeepSeekV3(MoETransformer):
             self.mtp_loss.zero_()
 
     def forward(self, tokens_BL, positions=None, cache=None, documents=None, labels=None, ahead=None,
-                ahead_weight=None):
+                ahead_weight=None, last_only=False):
         """As Llama's; in training, `ahead` (mtp_ahead) or the `labels` [B, L] (the next tokens) it
         is built from feed the MTP modules, their losses weighted by `ahead_weight` (mtp_weights)
         when given, else each the mean over its targets.
@@ -233,7 +233,7 @@ class DeepSeekV3(MoETransformer):
             ahead = mtp_ahead(tokens_BL, labels, D)
         staged = not (first and last)
         if not D or ahead is None or cache is not None or not (self.training or staged):
-            return super().forward(tokens_BL, positions=positions, cache=cache, documents=documents)
+            return super().forward(tokens_BL, positions=positions, cache=cache, documents=documents, last_only=last_only)
         rope = self.rope_inputs(positions, documents)
         if first:
             h, e = self.tok_embeddings(tokens_BL), [self.tok_embeddings(ahead[..., k]) for k in range(D)]

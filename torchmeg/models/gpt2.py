@@ -112,8 +112,9 @@ class GPT2(nn.Module):
         return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache);
+                documents: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache),
+        and `last_only` at prefill (logits [B, 1, V]);
         document masking passes `documents` [B, L] (models.attention): positions restart per document."""
         if documents is not None:
             if positions is None:
@@ -129,6 +130,7 @@ class GPT2(nn.Module):
                 h = layer(h, cache=cache.layer(name))
             else:
                 h = layer(h) if documents is None else layer(h, documents=documents)
+        h = h[:, -1:] if last_only else h
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and not self.head_in_loss else h
 

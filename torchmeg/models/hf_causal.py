@@ -124,6 +124,7 @@ def args_from_config(config) -> HFArgs:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM with torchmeg's model interface (see the module docstring)."""
+    keeps_own_cache = True  # generation: transformers' attention keeps its own cache (a server cannot batch slots)
 
     def __init__(self, args: HFArgs):
         super().__init__()
@@ -156,9 +157,11 @@ class HFCausalLM(nn.Module):
         self.supports_sequence_parallel = args.attn_implementation == "sdpa"
         self.sequence_parallel_note = f"{args.attn_implementation} attention builds its mask from the local length"
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
+                last_only: bool = False) -> torch.Tensor:
         """Logits [B, L, V]. Generation passes `positions` [B, L] and a torchmeg KVCache, which here
-        carries transformers' own cache and the padding mask (models.kv_cache)."""
+        carries transformers' own cache and the padding mask (models.kv_cache), and `last_only` at
+        prefill (logits [B, 1, V])."""
         base = getattr(self, self.base_prefix)
         if cache is None:
             # Positions given explicitly: under sequence parallel the embedding output is a sequence
@@ -172,6 +175,7 @@ class HFCausalLM(nn.Module):
             n = tokens.shape[1]
             h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n),
                      past_key_values=cache.model_state["hf"], use_cache=True).last_hidden_state
+        h = h[:, -1:] if last_only else h
         if self.head_in_loss:
             return h
         logits = self.lm_head(h)

@@ -192,12 +192,14 @@ class Llama(nn.Module):
         return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache);
+                documents: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache),
+        and `last_only` at prefill (logits [B, 1, V]: the head runs on the last position only);
         document masking passes `documents` [B, L] (models.attention), positions restarting at each
         document unless given (context parallel gives its shard's)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
         h = self.run_layers(h, self.rope_inputs(positions, documents), cache)
+        h = h[:, -1:] if last_only else h
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and not self.head_in_loss else h
 

@@ -1,0 +1,156 @@
+"""python -m torchmeg.serve --config RECIPE [--section.key=value ...] [--host 127.0.0.1] [--port 8000]
+       [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--prefill-tokens 4096] [--dtype auto]
+       [--served-model-name NAME]
+
+Serves the recipe's trained model over HTTP with OpenAI's API (/v1/completions,
+/v1/chat/completions, streamed or not; /v1/models, /health, /metrics), batching concurrent
+requests continuously. The weights: the newest committed checkpoint of the recipe's run
+(--checkpoint.load_step=N, --checkpoint.folder=DIR as for torchmeg.generate), a torchmeg.convert
+folder (--checkpoint.folder), or Hugging Face weights for `hf` models. One process, or under
+torchrun tensor parallel over every launched process (rank 0 answers HTTP; the others follow).
+Listens on 127.0.0.1 unless --host says otherwise. SIGTERM: finishes the requests in flight, exits 0.
+Needs the serve extra: pip install -e '.[serve]'.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.config.schema import load_config
+from torchmeg.data.chat import chat_template
+from torchmeg.inference.generate import inference_config
+from torchmeg.inference.trained import load_trained
+from torchmeg.runtime import guard
+from torchmeg.runtime import process as runtime
+from torchmeg.serving.scheduler import Engine, Plan, follow
+from torchmeg.train.validate import validate
+
+PROG = "torchmeg.serve"
+
+
+def parse(argv: list[str]):
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the recipe the model was trained with")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-seqs", type=int, default=32, help="sequences decoded together (KV cache slots)")
+    ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; beyond: 429")
+    ap.add_argument("--max-model-len", type=int, default=0,
+                    help="prompt + completion tokens per sequence (default: the model's max_seq_len)")
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="prompt tokens prefilled per step beside the running decodes (at least one prompt)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                    help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
+    ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")
+    return ap.parse_known_args(argv)
+
+
+def prepare(argv: list[str]):
+    a, rest = parse(argv)
+    cfg = load_config(a.config, rest)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = validate(inference_config(cfg, world), world, data=False)
+    limit = layout.args.max_seq_len
+    a.max_model_len = a.max_model_len or limit
+    for flag, v, lo in (("--max-seqs", a.max_seqs, 1), ("--max-queue", a.max_queue, 0), ("--port", a.port, 0),
+                        ("--prefill-tokens", a.prefill_tokens, 1), ("--max-model-len", a.max_model_len, 2)):
+        if v < lo:
+            raise ConfigError(f"{flag} {v}: must be >= {lo}")
+    if a.max_model_len > limit:
+        raise ConfigError(f"--max-model-len {a.max_model_len}: beyond the model's max_seq_len {limit}; lower it")
+    try:
+        import fastapi  # noqa: F401  lazy: the serve extra
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"serving needs the serve extra ({e.name} is missing): pip install -e '.[serve]'") from None
+    try:
+        template, template_error = chat_template(cfg), ""
+    except ConfigError as e:
+        template, template_error = None, str(e)
+    return a, cfg, layout, template, template_error
+
+
+def run(prepared) -> None:
+    a, cfg, layout, template, template_error = prepared
+    loaded = load_trained(cfg, layout, logits=True)
+    model, device = loaded.built.model, loaded.device
+    dtype = _dtype(a.dtype, device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
+    engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_queue, a.prefill_tokens,
+                    channel=channel)
+    if rank != 0:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
+
+        def receive():
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        follow(engine, receive)
+    else:
+        _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
+    loaded = engine = model = None
+    runtime.end()
+
+
+def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype) -> None:
+    import uvicorn  # lazy: the serve extra
+    from torchmeg.serving.api import Served, build_app  # lazy: imports fastapi
+    stopping = threading.Event()
+    failed: list[BaseException] = []
+
+    def loop():
+        try:
+            engine.serve(stopping)
+        except BaseException as e:  # noqa: BLE001 - under TP a failed step ends the server
+            failed.append(e)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        thread = threading.Thread(target=loop, name="torchmeg-engine", daemon=True)
+        thread.start()
+        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()} | "
+              f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens | "
+              f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
+        yield
+        stopping.set()
+        with engine.cond:
+            engine.cond.notify()
+        thread.join()
+
+    model_id = a.served_model_name or cfg.job.name
+    app = build_app(Served(engine, loaded.tokenizer, template, template_error, model_id, a.max_model_len), lifespan)
+    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler it found:
+    # ours lets the process end normally (exit 0) once the requests in flight are answered.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False)).run()
+    if failed:
+        raise failed[0]
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return guard.cli_main(PROG, lambda: prepare(argv), run)

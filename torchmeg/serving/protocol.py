@@ -1,0 +1,110 @@
+"""The OpenAI API's request bodies, checked strictly: an unknown field, a wrong type or a value
+out of range is a 400 in the API's error shape, naming the field (pydantic does the checking).
+
+Fields the API defines that this server does not implement (log probabilities, penalties, logit
+bias, tools, best_of > 1) are refused with a 400 that says so, rather than silently ignored.
+`top_k` and `ignore_eos` are extensions (as vLLM's).
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    n: int = Field(1, ge=1, le=16)
+    seed: int | None = Field(None, ge=0)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+    # defined by the API, not implemented here: refused unless left at their defaults
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(field, why) for a field this server does not implement, set to something else than its default."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                return name, f"{name} is not supported by this server; leave it at 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by this server"
+        return None
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def unsupported(self):
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported by this server"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs is not supported by this server"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1 is not supported by this server"
+        return super().unsupported()
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    response_format: dict | None = None
+
+    def unsupported(self):
+        if self.logprobs or self.top_logprobs is not None:
+            return "logprobs", "logprobs is not supported by this server"
+        if self.tools or self.tool_choice not in (None, "none"):
+            return "tools", "tools (function calling) are not supported by this server"
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format", "response_format other than text is not supported by this server"
+        return super().unsupported()
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """The API's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

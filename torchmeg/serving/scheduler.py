@@ -1,0 +1,264 @@
+"""Continuous batching: sequences join the running batch at any step and leave it when done.
+
+Every step (`Engine.step`): requests that were cancelled leave; waiting requests are admitted into
+free slots and prefilled, one forward each over their own prompt (no padding), up to a budget of
+prompt tokens per step, so a long prompt does not stall the running sequences for more than one
+step; then every running sequence decodes one token in one forward over the slot cache
+(serving.slots). The logits of all of them are sampled together by each request's own parameters,
+and the new tokens are read to the host once (the one sync that streams them).
+
+A request's tokens are a function of (its prompt, its sampling, its seed) only: the same random
+streams as torchmeg.inference.engine (prompt tokens, sample index, step), so it gets the tokens
+`torchmeg.generate` gives it alone, at any concurrency.
+
+Under tensor parallel rank 0 decides each step and broadcasts what the forwards are (`Plan`); the
+other ranks run the same forwards (`follow`) and sample nothing (rank 0 streams the tokens).
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from torchmeg.inference.engine import Sampling, last_only, row_streams, sample
+from torchmeg.models.kv_cache import KVCache
+from torchmeg.serving.slots import SlotCache
+
+log = logging.getLogger("torchmeg.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One sequence to generate. `on_event(text, token_ids, finish_reason)` is called from the
+    engine's thread with each step's new text (and the finish reason at the end: "stop" | "length",
+    or "error: ..." when the step failed)."""
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    on_event: Callable[[str, list[int], str | None], None]
+    stop: tuple[str, ...] = ()
+    eos_ids: frozenset = frozenset()
+    sample_index: int = 0
+    cancelled: bool = False
+    # the engine's
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0            # characters of the text already given to on_event
+    stream: int = 0          # its random stream (inference.engine.row_streams)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Plan:
+    """One step's forwards: prompts to prefill into their slots, then one decode token per slot."""
+    prefill: list[tuple[int, list[int]]] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    stop: bool = False
+
+
+class Engine:
+    def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
+                 prefill_tokens: int = 4096, channel=None):
+        self.model, self.tok, self.device = model, tokenizer, torch.device(device)
+        self.cache = SlotCache(max_seqs, max_len, device)
+        self.max_seqs, self.max_len, self.max_queue, self.prefill_tokens = max_seqs, max_len, max_queue, prefill_tokens
+        self.channel = channel  # TP: sends each Plan to the other ranks
+        self.free = list(range(max_seqs))
+        self.running: dict[int, Job] = {}
+        self.waiting: deque[Job] = deque()
+        self.cond = threading.Condition()
+        self.counters = dict(requests=0, rejected=0, prompt_tokens=0, generation_tokens=0, steps=0)
+        self._last_only = last_only(model)
+        self.own_cache = bool(getattr(model, "keeps_own_cache", False))
+        self.own: dict[int, KVCache] = {}  # slot -> its sequence's cache, when the model keeps its own
+
+    # ---- called from the server's threads ----------------------------------------------------
+    def submit(self, job: Job) -> None:
+        with self.cond:
+            if len(self.waiting) >= self.max_queue:
+                self.counters["rejected"] += 1
+                raise QueueFull(f"{len(self.running)} sequences running and {len(self.waiting)} waiting "
+                                f"(--max-queue {self.max_queue}); retry later")
+            self.counters["requests"] += 1
+            self.waiting.append(job)
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self.cond:
+            job.cancelled = True
+            self.cond.notify()
+
+    def load(self) -> dict:
+        return dict(self.counters, running=len(self.running), waiting=len(self.waiting), max_seqs=self.max_seqs)
+
+    # ---- the engine's thread -----------------------------------------------------------------
+    def serve(self, stopping: threading.Event, heartbeat_s: float = 5.0) -> None:
+        """Step while there is work; after `stopping` is set, finish what was admitted, then stop
+        (and tell the other ranks). Idle under TP: a heartbeat keeps their collectives in time."""
+        while True:
+            with self.cond:
+                if not (self.waiting or self.running):
+                    if stopping.is_set():
+                        break
+                    self.cond.wait(timeout=heartbeat_s)
+                    if not (self.waiting or self.running):
+                        if self.channel is not None and not stopping.is_set():
+                            self.channel(Plan())
+                        continue
+            self.step()
+        if self.channel is not None:
+            self.channel(Plan(stop=True))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        with self.cond:
+            for slot, job in list(self.running.items()):
+                if job.cancelled:
+                    self._free(job)
+            admitted, budget = [], self.prefill_tokens
+            while self.waiting and self.free:
+                job = self.waiting[0]
+                if job.cancelled:
+                    self.waiting.popleft()
+                    continue
+                if admitted and len(job.prompt) > budget:
+                    break
+                self.waiting.popleft()
+                job.slot = heapq.heappop(self.free)
+                job.stream = int(row_streams([job.prompt], job.sample_index)[0])
+                budget -= len(job.prompt)
+                admitted.append(job)
+            decoding = [j for j in self.running.values()]
+            for job in admitted:
+                self.running[job.slot] = job
+        plan = Plan(prefill=[(j.slot, j.prompt) for j in admitted], rows=[j.slot for j in decoding],
+                    tokens=[j.tokens[-1] for j in decoding],
+                    starts=[len(j.prompt) + len(j.tokens) - 1 for j in decoding])
+        jobs = admitted + decoding
+        try:
+            if self.channel is not None:
+                self.channel(plan)
+            logits = self.forward(plan)
+            new = self._sample(logits, jobs)
+        except Exception as e:  # noqa: BLE001 - the requests of this step learn why; the server goes on
+            log.exception("step failed")
+            with self.cond:
+                for job in jobs:
+                    self._finish(job, f"error: {type(e).__name__}: {e}")
+            if self.channel is not None:
+                raise  # the other ranks' caches no longer match: end the job
+            return
+        self.counters["steps"] += 1
+        self.counters["prompt_tokens"] += sum(len(j.prompt) for j in admitted)
+        with self.cond:
+            for job, t in zip(jobs, new):
+                if not job.cancelled:
+                    self._advance(job, t)
+
+    def forward(self, plan: Plan) -> torch.Tensor:
+        """Run a plan's forwards -> the logits [prefills + decodes, V] (every rank runs this)."""
+        if self.own_cache:
+            return self._forward_each(plan)
+        out = []
+        for slot, prompt in plan.prefill:
+            positions = self.cache.bind([slot], [0], len(prompt))
+            tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            out.append(self.model(tokens, positions=positions, cache=self.cache, **self._last_only)[:, -1])
+        if plan.rows:
+            positions = self.cache.bind(plan.rows, plan.starts, 1)
+            tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
+            out.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
+        return torch.cat(out).float() if out else torch.empty(0)
+
+    def _forward_each(self, plan: Plan) -> torch.Tensor:
+        """A model that keeps its own cache (transformers' attention, for `hf` models) cannot read the
+        slots: each sequence runs alone over a cache of its own (models.kv_cache with one row), the
+        same forwards torchmeg.generate runs for it. Sequences still join and leave at every step;
+        only the decode forwards are not batched."""
+        out = []
+        for slot, prompt in plan.prefill:
+            cache = self.own[slot] = KVCache(1, self.max_len, device=self.device)
+            tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
+            out.append(self.model(tokens, positions=cache.positions(len(prompt)), cache=cache,
+                                  **self._last_only)[:, -1])
+            cache.advance(len(prompt))
+        for slot, token in zip(plan.rows, plan.tokens):
+            cache = self.own[slot]
+            tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            out.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
+            cache.advance(1)
+        return torch.cat(out).float() if out else torch.empty(0)
+
+    def _sample(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+        """Each row by its own request's sampling; rows that share it in one call. One host read."""
+        nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
+        groups: dict[Sampling, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(job.sampling, []).append(i)
+        for s, idx in groups.items():
+            rows = torch.tensor(idx, device=logits.device)
+            streams = torch.tensor([jobs[i].stream for i in idx], dtype=torch.long)
+            steps = torch.tensor([len(jobs[i].tokens) for i in idx], dtype=torch.long)
+            nxt[rows] = sample(logits[rows], s, streams, steps)
+        return nxt.tolist()
+
+    def _advance(self, job: Job, token: int) -> None:
+        if token in job.eos_ids:
+            return self._finish(job, "stop")
+        job.tokens.append(token)
+        self.counters["generation_tokens"] += 1
+        text = self.tok.decode(job.tokens)
+        for s in job.stop:
+            at = text.find(s)
+            if at >= 0:
+                return self._finish(job, "stop", text[:at], [token])
+        if len(job.tokens) >= job.max_tokens:
+            return self._finish(job, "length", text, [token])
+        # Hold back what may still change: an incomplete UTF-8 character, the start of a stop string.
+        safe = len(text.rstrip("\ufffd"))
+        for s in job.stop:
+            for k in range(min(len(s) - 1, safe), 0, -1):
+                if text[:safe].endswith(s[:k]):
+                    safe -= k
+                    break
+        if safe > job.sent:
+            job.on_event(text[job.sent:safe], [token], None)
+            job.sent = safe
+        else:
+            job.on_event("", [token], None)
+
+    def _finish(self, job: Job, reason: str, text: str | None = None, ids: list[int] = ()) -> None:
+        if job.finish_reason is not None:
+            return
+        job.finish_reason = reason
+        text = self.tok.decode(job.tokens) if text is None else text
+        job.on_event(text[job.sent:], list(ids), reason)
+        job.sent = len(text)
+        self._free(job)
+
+    def _free(self, job: Job) -> None:
+        if self.running.get(job.slot) is job:
+            del self.running[job.slot]
+            heapq.heappush(self.free, job.slot)
+
+
+def follow(engine: Engine, receive: Callable[[], Plan]) -> None:
+    """A TP rank other than 0: run the forwards rank 0 plans until it says stop."""
+    with torch.no_grad():
+        while True:
+            plan = receive()
+            if plan.stop:
+                return
+            if plan.prefill or plan.rows:
+                engine.forward(plan)
