@@ -254,3 +254,23 @@ def test_generate_refuses_another_tokenizer(debug_run, tmp_path):
     assert p.returncode == 2, p.stderr[-2000:]
     line = p.stderr.strip().splitlines()[-1]
     assert "was trained with tokenizer byte-v1" in line and "data.tokenizer" in line, line
+
+
+@pytest.mark.slow
+def test_tp_beyond_the_kv_heads_replicates_them(tmp_path):
+    """One KV head (MQA), two ranks: each rank builds a copy of the head its query heads read
+    (inference.kv_replicas) and sampled generation equals one process's; three ranks
+    (not dividing the query heads) are refused in one line."""
+    model = [a for a in TINY if a.startswith("--model.")] + ["--model.n_kv_heads=1"]
+    run_cli(model + [a for a in TINY if not a.startswith("--model.")] + [
+        "--config", "recipes/debug_llama.toml", "--training.steps=6", "--checkpoint.interval=6",
+        "--validation.enable=false"], tmp_path, name="mqa")
+    base = model + ["--config", "recipes/debug_llama.toml", f"--job.dump_folder={tmp_path}", "--job.name=mqa",
+                    "--max-new-tokens", "16"] + _prompt_args()
+    sampled = ["--temperature", "0.9", "--seed", "5"]
+    _, one = _generate(base + sampled)
+    _, two = _generate(base + sampled, nproc=2)
+    assert [r["tokens"] for r in two] == [r["tokens"] for r in one] and len(one[0]["tokens"]) == 16
+    assert {r["layout"] for r in two} == {"world 2: tp=2"}
+    p, _ = _generate(base, nproc=3, check=False)
+    assert p.returncode == 2 and "beyond the model's 1 KV heads" in p.stderr, p.stderr[-2000:]

@@ -338,11 +338,12 @@ def _read_marker(path: str) -> tuple[str | None, dict]:
     return _agree(problem), meta
 
 
-def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | None:
+def load_model_weights(cfg, model, tokenizer: str = "", state=None) -> tuple[int, str] | None:
     """The weights of checkpoint.load_step (or the newest committed checkpoint) into `model`, whatever
     layout saved them (DCP reshards): for using a trained model (generation, evaluation). Verified as
     a resume is; a damaged checkpoint or one that does not fit the recipe is one line naming it.
     `tokenizer`: this run's tokenizer fingerprint, checked against the one the checkpoint recorded.
+    `state`: the model's Stateful when it is not ModelState(model) (inference.kv_replicas).
     -> (step, path), or None when the folder holds no checkpoint."""
     folder = resolve_folder(cfg)
     steps, want = committed_steps(folder), cfg.checkpoint.load_step
@@ -358,7 +359,7 @@ def load_model_weights(cfg, model, tokenizer: str = "") -> tuple[int, str] | Non
     if saved and tokenizer and saved != tokenizer:
         raise ConfigError(f"checkpoint {path} was trained with tokenizer {saved}, the recipe's data.tokenizer = "
                           f"{cfg.data.tokenizer!r} is {tokenizer}; use the tokenizer the model was trained with")
-    failed = _load_checked(path, {"model": ModelState(model)}, model.parameters)
+    failed = _load_checked(path, {"model": state or ModelState(model)}, model.parameters)
     if failed and failed[0] == "load":
         raise CheckpointError(f"checkpoint {path}: its weights do not fit the recipe's model {cfg.model.name}/"
                               f"{cfg.model.flavor} ({failed[1]}); use the recipe (model, data.tokenizer) it was "

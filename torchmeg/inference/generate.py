@@ -31,6 +31,7 @@ from torchmeg.data.chat import chat_template
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
 from torchmeg.inference.engine import Sampling, decode_one, generate
+from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.train.validate import validate
 
@@ -112,6 +113,7 @@ def prepare(argv: list[str]):
     cfg = load_config(a.config, rest)
     compile_decode = cfg.compile.enable
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    a.kv_copies = replicate_kv_heads(cfg, world)
     layout = validate(inference_config(cfg, world), world, data=False)
     sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
     sampling.check()
@@ -131,14 +133,15 @@ def prepare(argv: list[str]):
 
 def run(prepared) -> None:
     a, cfg, layout, sampling, compile_decode, texts, ids = prepared
-    loaded = load_trained(cfg, layout, logits=True)
+    loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     tok, rank = loaded.tokenizer, dist.get_rank()
     step = None
     if compile_decode:
         compile_setup(cfg.compile.cache_dir)
         step = torch.compile(decode_one, dynamic=False)
     if rank == 0 and not a.json:
-        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()} | "
+        kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
+        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
               f"{'compiled' if step else 'eager'} decode{'' if not a.no_cache else ' without KV cache'}",
               file=sys.stderr, flush=True)
     size = a.batch_size or len(ids)

@@ -16,6 +16,7 @@ from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
 from torchmeg.checkpoint.hf import load_hf_native
 from torchmeg.config.layout import Layout
+from torchmeg.inference.kv_replicas import ReplicatedKVState
 
 
 @dataclass
@@ -28,19 +29,24 @@ class Loaded:
     step: int | None         # the checkpoint's step (None: HF weights)
 
 
-def load_trained(cfg, layout: Layout, logits: bool = False) -> Loaded:
+def load_trained(cfg, layout: Layout, logits: bool = False, kv_copies: int = 1) -> Loaded:
     """Start the process group, build this rank's model, load the trained weights into it.
     `logits`: the model ends at its LM head even where the recipe fuses the head into the loss
-    (generation samples from logits)."""
+    (generation samples from logits). `kv_copies` > 1: the model was built with each checkpoint KV
+    head replicated that many times (inference.kv_replicas: TP beyond the KV heads)."""
     tokenizer = build_tokenizer(cfg.data.tokenizer)
     device, mesh, ep_mesh = runtime.start(cfg, layout.dims)
     built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, cfg.job.seed, fused_head=False if logits else None)
-    found = load_model_weights(cfg, built.model, tokenizer.fingerprint())
+    state = ReplicatedKVState(built.model, kv_copies) if kv_copies > 1 else None
+    found = load_model_weights(cfg, built.model, tokenizer.fingerprint(), state)
     if found is not None:
         step, path = found
         source = f"checkpoint {path} (step {step})"
     else:
         folder = _hf_weights(cfg, layout)
+        if folder is not None and kv_copies > 1:
+            raise ConfigError("Hugging Face weights under tensor parallel beyond the model's KV heads: not supported; "
+                              "launch at most n_kv_heads processes")
         if folder is None:
             raise ConfigError(f"checkpoint.folder = {cfg.checkpoint.folder!r}: no committed checkpoint in "
                               f"{resolve_folder(cfg)}; train the recipe with checkpoint.enable = true first, or "

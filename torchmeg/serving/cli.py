@@ -28,6 +28,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
 from torchmeg.data.chat import chat_template
 from torchmeg.inference.generate import inference_config
+from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
@@ -59,6 +60,7 @@ def prepare(argv: list[str]):
     a, rest = parse(argv)
     cfg = load_config(a.config, rest)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    a.kv_copies = replicate_kv_heads(cfg, world)
     layout = validate(inference_config(cfg, world), world, data=False)
     limit = layout.args.max_seq_len
     a.max_model_len = a.max_model_len or limit
@@ -82,7 +84,7 @@ def prepare(argv: list[str]):
 
 def run(prepared) -> None:
     a, cfg, layout, template, template_error = prepared
-    loaded = load_trained(cfg, layout, logits=True)
+    loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     model, device = loaded.built.model, loaded.device
     dtype = _dtype(a.dtype, device)
     if dtype != torch.float32:
@@ -122,7 +124,8 @@ def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
     async def lifespan(app):
         thread = threading.Thread(target=loop, name="torchmeg-engine", daemon=True)
         thread.start()
-        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()} | "
+        kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
+        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
               f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens | "
               f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         yield
