@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from torchmeg.models.hf_causal import is_hf_experts
 from torchmeg.models.moe import is_grouped_experts
 
 
@@ -29,8 +30,9 @@ def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
         if isinstance(m, nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
             n += m.weight.numel()
-        elif is_grouped_experts(m):  # only top_k of the experts run
-            n += _expert_weights(m) * m.top_k // m.n_experts
+        elif _experts(m):  # only top_k of the experts run
+            total, top_k, n_experts = _experts(m)
+            n += total * top_k // n_experts
     qk, v = getattr(args, "attention_head_dims", (args.head_dim, args.head_dim))
     layers = args.n_layers + getattr(args, "mtp_depth", 0)
     return 6 * n + 6 * layers * args.n_heads * (qk + v) * seq_len
@@ -40,11 +42,18 @@ def active_params(model: nn.Module) -> int:
     """Parameters a token actually uses (MoE: top_k of the routed experts)."""
     n = count_params(model)
     for m in model.modules():
-        if is_grouped_experts(m):
-            total = _expert_weights(m)
-            n -= total - total * m.top_k // m.n_experts
+        if _experts(m):
+            total, top_k, n_experts = _experts(m)
+            n -= total - total * top_k // n_experts
     return n
 
 
-def _expert_weights(m: nn.Module) -> int:
-    return m.w1.numel() + m.w2.numel() + m.w3.numel()
+def _experts(m: nn.Module) -> tuple[int, int, int] | None:
+    """(expert weights, experts per token, experts) of an experts module: torchmeg's grouped
+    experts, or transformers' (top_k from its config: the router that picks lives elsewhere)."""
+    if is_grouped_experts(m):
+        return m.w1.numel() + m.w2.numel() + m.w3.numel(), m.top_k, m.n_experts
+    if is_hf_experts(m):
+        top_k = getattr(getattr(m, "config", None), "num_experts_per_tok", None) or m.num_experts
+        return m.gate_up_proj.numel() + m.down_proj.numel(), top_k, m.num_experts
+    return None

@@ -28,7 +28,7 @@ from torch import nn
 
 from torchmeg.config.schema import coerce
 from torchmeg.config.errors import ConfigError
-from torchmeg.models.blocks import find_blocks
+from torchmeg.models.blocks import find_blocks, fqn_matches
 
 
 @dataclass
@@ -46,6 +46,7 @@ class HFArgs:
     model_type: str
     attn_implementation: str = "sdpa"
     config: object = dataclasses.field(repr=False, default=None)  # the transformers config
+    n_experts: int = 0  # routed experts per MoE layer (0: a dense model)
 
 
 def config_path(path: str) -> str:
@@ -102,6 +103,13 @@ def load_config(path: str, overrides: dict, padded_vocab: int | None = None):
     return config
 
 
+def is_hf_experts(m: nn.Module) -> bool:
+    """transformers' MoE experts (Qwen3-MoE, DeepSeek-V3, Mixtral, ... in transformers 5): every
+    expert's weights in two 3-D parameters, gate_up_proj [E, 2I, D] and down_proj [E, D, I]."""
+    w = getattr(m, "gate_up_proj", None)
+    return isinstance(w, torch.Tensor) and w.dim() == 3 and hasattr(m, "down_proj") and hasattr(m, "num_experts")
+
+
 def args_from_config(config) -> HFArgs:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     try:
@@ -115,7 +123,9 @@ def args_from_config(config) -> HFArgs:
             vocab_size=text.vocab_size,
             max_seq_len=getattr(text, "max_position_embeddings", None) or 2 ** 31,
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            model_type=config.model_type, config=config)
+            model_type=config.model_type, config=config,
+            n_experts=next((getattr(text, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                            if getattr(text, k, None)), 0))
     except AttributeError as e:
         raise ConfigError(f"model.hf_config: {config.model_type} is not a decoder-only causal LM config torchmeg "
                           f"can read ({e})") from None
@@ -156,6 +166,11 @@ class HFCausalLM(nn.Module):
         # flag), wrong for an explicit mask built from that local length (eager attention).
         self.supports_sequence_parallel = args.attn_implementation == "sdpa"
         self.sequence_parallel_note = f"{args.attn_implementation} attention builds its mask from the local length"
+        if any(is_hf_experts(m) for m in self.modules()):
+            # transformers' experts run whole on every TP rank (tp_plan_from_hf): their output is
+            # the whole sequence, which a sequence-sharded residual stream cannot add
+            self.supports_sequence_parallel = False
+            self.sequence_parallel_note = "MoE experts run whole on every TP rank (expert parallel spreads them)"
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
                 last_only: bool = False) -> torch.Tensor:
@@ -216,6 +231,9 @@ class HFCausalLM(nn.Module):
         direct children of a block or of the base model run on sequence shards, and a block child
         holding column-parallel projections (attention, MLP) gathers its input first."""
         plan = tp_plan_from_hf(self.config, self.base_prefix, self.embed_fqn)
+        # entries for modules this model lacks (a MoE model's dense-MLP entries) are dropped
+        names = [n for n, _ in self.named_modules()]
+        plan = [(pat, role) for pat, role in plan if any(fqn_matches(pat, n) for n in names)]
         path, container = find_blocks(self)
         if container is None:
             return plan
@@ -244,7 +262,10 @@ def _under(pattern: str, prefix: str) -> bool:
 def _cpu_stand_in(mod: nn.Module, params: dict, keep_buffers: bool = False) -> nn.Module:
     """A shallow copy of `mod` without children: parameters named in `params` are those tensors,
     other parameters scratch CPU tensors; buffers the real ones (keep_buffers) or scratch."""
-    stand_in = copy.copy(mod)
+    # (object.__new__: copy.copy would call the class's __new__, which an FSDP-sharded module's
+    # class overrides to re-run __init__)
+    stand_in = object.__new__(type(mod))
+    stand_in.__dict__.update(mod.__dict__)
     stand_in._modules = {}
     stand_in._parameters = {}
     for n, p in mod._parameters.items():  # (None entries too: HF reads `module.bias is not None`)
@@ -282,6 +303,10 @@ def tp_plan_from_hf(config, base_prefix: str = "model", embed_fqn: str = "model.
                          f"(pass tp_plan= to parallelize() or use tensor_parallel_degree = 1)")
     out = [(embed_fqn, "embedding")]
     for pattern, style in plan.items():
+        if "experts" in pattern.split("."):
+            # transformers' expert styles (packed_colwise, moe_tp_experts): torchmeg runs the
+            # experts whole on each TP rank and spreads them with expert parallel instead
+            continue
         role = _HF_STYLES.get(style)
         if role is None:
             raise ValueError(f"{config.model_type}: TP plan style {style!r} (for {pattern!r}) has no torchmeg "

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchmeg.models.blocks import blocks, extra_blocks
-from torchmeg.models.moe import is_grouped_experts
+from torchmeg.parallel.expert import is_expert_module
 
 
 def mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
@@ -35,7 +35,7 @@ def apply_fsdp(model: nn.Module, mesh, mixed_precision: str, reshard_after_forwa
     for block in blocks(model, blocks_path) + extra_blocks(model):
         if expert_mesh is not None:
             for m in block.modules():
-                if is_grouped_experts(m):
+                if is_expert_module(m):
                     fully_shard(m, mesh=expert_mesh, mp_policy=mp_policy(mixed_precision),
                                 reshard_after_forward=reshard_after_forward)
                     units += 1

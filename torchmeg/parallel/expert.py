@@ -21,13 +21,17 @@ ep so they match the data-parallel mean (see `expert_grad_scale`).
 """
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmeg.config.errors import ConfigError
+from torchmeg.models.hf_causal import is_hf_experts
 from torchmeg.models.moe import expert_ffn, grouped_ffn, grouped_mm_takes, is_grouped_experts
 
 
@@ -59,38 +63,86 @@ class AllToAllDispatch:
         # Arrivals are ordered (source rank, local expert); regroup by local expert.
         local_ids = torch.arange(El, device=x_TD.device).repeat(ep).repeat_interleave(recv_counts, output_size=sum(recv))
         order = local_ids.argsort(stable=True)
-        w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
         x_sorted = x_recv[order]
-        if grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2):
-            y = grouped_ffn(w1, w2, w3, x_sorted, recv_counts.view(ep, El).sum(0))
+        per_expert = [sum(got[r * El + e] for r in range(ep)) for e in range(El)]
+        if is_hf_experts(experts):
+            y = _hf_local_ffn(experts, x_sorted, per_expert)
         else:
-            y = expert_ffn(w1, w2, w3, x_sorted, [sum(got[r * El + e] for r in range(ep)) for e in range(El)])
+            w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
+            if grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2):
+                y = grouped_ffn(w1, w2, w3, x_sorted, recv_counts.view(ep, El).sum(0))
+            else:
+                y = expert_ffn(w1, w2, w3, x_sorted, per_expert)
         y = y[order.argsort()]
         return all_to_all_single_autograd(y.contiguous(), send, recv, self.group)
 
 
 def apply_ep(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
-    """Shard every grouped-experts module over `ep_mesh`; returns the expert parameters."""
+    """Shard every experts module (torchmeg's grouped experts, transformers' MoE experts) over
+    `ep_mesh`; returns the expert parameters."""
     params = []
     for m in model.modules():
-        if not is_grouped_experts(m):
+        if is_grouped_experts(m):
+            names, n = ("w1", "w2", "w3"), m.n_experts
+        elif is_hf_experts(m):
+            _check_hf_layout(m)
+            names, n = ("gate_up_proj", "down_proj"), m.num_experts
+            # transformers' forward loops over the experts it holds; under EP tokens must travel first
+            m.forward = types.MethodType(_hf_experts_forward, m)
+        else:
             continue
-        for name in ("w1", "w2", "w3"):
+        for name in names:
             p = nn.Parameter(distribute_tensor(getattr(m, name).data, ep_mesh, [Shard(0)], src_data_rank=None))
             setattr(m, name, p)
             params.append(p)
-        m.dispatch = AllToAllDispatch(ep_mesh, m.n_experts)
+        m.dispatch = AllToAllDispatch(ep_mesh, n)
     return params
 
 
+def is_expert_module(m: nn.Module) -> bool:
+    return is_grouped_experts(m) or is_hf_experts(m)
+
+
 def expert_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if is_grouped_experts(m)]
+    return [m for m in model.modules() if is_expert_module(m)]
+
+
+def _check_hf_layout(m: nn.Module) -> None:
+    """The layout most of transformers' MoE experts share: [gate; up] concatenated, weights [out, in],
+    no biases (Qwen2/3-MoE, DeepSeek-V3, Mixtral). Others (gpt-oss: transposed, with biases) are refused."""
+    if getattr(m, "is_transposed", False) or getattr(m, "has_bias", False) or not getattr(m, "is_concatenated", True) \
+            or not getattr(m, "has_gate", True):
+        raise ConfigError(f"parallelism.expert_parallel_degree > 1: {type(m).__name__} stores its experts "
+                          f"transposed, interleaved or with biases, which torchmeg's expert parallel does not read; "
+                          f"use expert_parallel_degree = 1 (FSDP shards them as any weight)")
+
+
+def _hf_experts_forward(self, hidden_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """transformers' experts interface (hidden [T, D], the top-k expert ids and weights [T, k]) over
+    torchmeg's dispatch: (token, expert) pairs sorted by expert travel to the experts' owners."""
+    T, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=self.num_experts)
+    token = order // k
+    y = self.dispatch(self, hidden_TD[token], counts)
+    y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(hidden_TD).index_add_(0, token, y.to(hidden_TD.dtype))
+
+
+def _hf_local_ffn(experts: nn.Module, x_TD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The experts this rank holds over their contiguous slices of expert-sorted tokens, as
+    transformers computes one: [gate; up] projection, the module's gate, down projection."""
+    gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    outs = [F.linear(experts._apply_gate(F.linear(x, gate_up[e])), down[e])
+            for e, x in enumerate(torch.split(x_TD, counts)) if x.shape[0]]
+    return torch.cat(outs) if outs else x_TD.new_zeros(0, down.shape[1])
 
 
 def check(cfg, args, dims) -> None:
     ep = dims.ep
     key = f"parallelism.expert_parallel_degree = {ep}"
-    if not hasattr(args, "n_experts"):
+    if not getattr(args, "n_experts", 0):
         raise ConfigError(f"{key}: model.name = {cfg.model.name!r} has no experts; use model.name = \"moe\" or 1")
     if args.n_experts % ep:
         raise ConfigError(f"{key}: does not divide model.n_experts = {args.n_experts}")

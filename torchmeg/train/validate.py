@@ -53,7 +53,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     check_model_args(cfg, spec, args, vocab)
 
     dims = ParallelDims.from_config(cfg, world_size)
-    if dims.tp > 1 and p.sequence_parallel and getattr(args, "n_experts", 0):
+    if dims.tp > 1 and p.sequence_parallel and getattr(args, "n_experts", 0) and not spec.hf_native:
         dims = dataclasses.replace(dims, experts_over_tp=True)
     if dims.pp > 1:
         pipeline.check(cfg, args, dims.pp)
