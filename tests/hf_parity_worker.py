@@ -37,6 +37,7 @@ LAYOUTS = {  # name: recipe overrides
     "fsdp2_compile_recompute": dict(data_parallel_shard_degree=-1),
     "ep2_fsdp2": dict(data_parallel_shard_degree=-1, expert_parallel_degree=2),
     "tp2_ep2_fsdp2": dict(tensor_parallel_degree=2, data_parallel_shard_degree=-1, expert_parallel_degree=2),
+    "ep2_capacity": dict(data_parallel_shard_degree=-1, expert_parallel_degree=2, expert_capacity_factor=2.0),
 }
 STEPS, BATCH, SEQ = 3, 4, 32
 

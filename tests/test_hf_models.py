@@ -65,11 +65,13 @@ def test_hf_tp2_x_fsdp2_matches_one_process():
 def test_hf_moe_layouts_match_one_process():
     """transformers' own Qwen3-MoE and DeepSeek-V3 (tiny configs built offline: 4 routed experts,
     top 2; DeepSeek with MLA, a shared expert and a dense first layer), on 4 ranks: FSDP 4, expert
-    parallel 2 x FSDP, and TP 2 x EP 2 x FSDP each = the whole model on one process (fp32 rule, every
+    parallel 2 x FSDP (dropless, and with capacity factor 2: the host-read-free dispatch, grouped
+    matmuls over transformers' [out, in] expert weights), and TP 2 x EP 2 x FSDP each = the whole
+    model on one process (fp32 rule, every
     step). Under EP every experts module sends its tokens to the experts' owners (its forward is
     torchmeg's dispatch, its weights 1/ep per rank); under TP the attention follows the model's own
     plan while the experts run whole per TP rank (sequence parallel off, said in the report)."""
-    rows = _worker(4, ["qwen3_moe", "deepseek_v3"], ["fsdp2", "ep2_fsdp2", "tp2_ep2_fsdp2"])
+    rows = _worker(4, ["qwen3_moe", "deepseek_v3"], ["fsdp2", "ep2_fsdp2", "ep2_capacity", "tp2_ep2_fsdp2"])
     for (fam, layout), r in rows.items():
         assert r["loss_rel_diff"] < FP32_PARITY and r["grad_norm_rel_diff"] < FP32_PARITY, r
         assert r["experts"] == (2 if fam == "qwen3_moe" else 1), r  # (DeepSeek's first layer is dense)

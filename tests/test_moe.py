@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from host_reads import HostReads
-from conftest import ROOT, FP32_PARITY, _launch_ranks, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import ROOT, FP32_PARITY, _launch_ranks, assert_close, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
@@ -94,6 +94,8 @@ def reference(tmp_path_factory):
     ("pp2_ep2_fsdp2", 4, 4, [P + "expert_parallel_degree=2", P + "pipeline_parallel_degree=2"]),
     # ep borrows the cp ranks: a token's experts are wherever its sequence shard's peers hold them
     ("cp2_ep2", 2, 8, [P + "expert_parallel_degree=2", P + "context_parallel_degree=2"]),
+    # fixed-size exchanges, no host read; capacity factor = ep: nothing can be dropped
+    ("ep2_fsdp2_capacity", 4, 2, [P + "expert_parallel_degree=2", P + "expert_capacity_factor=2"]),
 ])
 def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, reference):
     p = run_cli(MOE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
@@ -102,6 +104,7 @@ def test_moe_layouts_match_single_process(name, ranks, local, layout, tmp_path, 
     for a, b in zip(reference, got):
         assert a["tokens_per_expert"] == b["tokens_per_expert"]  # the same routing, globally
     assert "experts max/mean" in p.stdout
+    assert all(r["moe_dropped"] == 0 for r in got) if "capacity" in name else "moe_dropped" not in got[0]
 
 
 @pytest.mark.slow
@@ -230,15 +233,26 @@ def test_experts_run_without_a_host_sync():
         M.grouped_mm_takes = saved
 
 
-def test_expert_parallel_reads_the_host_once_per_layer():
-    """EP 2 x FSDP 2 on gloo, forward and backward with every host read counted: all_to_all_single
-    takes its split sizes as host lists, so each MoE layer reads its token counts (sent and
-    received, one tensor) once in forward and never in backward; the grouped matmul on the received
-    tokens takes its offsets on the device. (The per-expert loop it replaced read three times per
-    layer: send sizes, receive sizes, expert counts.)"""
+def test_expert_parallel_host_reads():
+    """EP 2 x FSDP 2 on gloo, forward and backward with every host read counted: the dropless
+    dispatch's all_to_all_single takes its split sizes as host lists, so each MoE layer reads its
+    token counts (sent and received, one tensor) once in forward and never in backward; the grouped
+    matmul on the received tokens takes its offsets on the device. (The per-expert loop it replaced
+    read three times per layer.) With a capacity factor: none at all (below)."""
     p = _launch_ranks([sys.executable, os.path.join(ROOT, "tests", "ep_sync_worker.py")], 2,
-                      dict(os.environ, PYTHONUNBUFFERED="1"), timeout=60)
+                      dict(os.environ, PYTHONUNBUFFERED="1"), timeout=90)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["moe_layers"] > 0
-    assert got["forward"] == got["moe_layers"] and got["backward"] == 0, got
+    free = got["dropless"]
+    assert free["forward"] == got["moe_layers"] and free["backward"] == 0, got
+    # Under a mode that refuses host reads: the dropless dispatch is refused at its count read; the
+    # capacity-bound one (parallelism.expert_capacity_factor) runs forward and backward, with the
+    # dropless loss and expert gradients at factor = ep (the fp32 rule) and rows dropped below it.
+    assert got["dropless_refusing"]["refused"].startswith("host sync"), got
+    full, tight = got["capacity_2.0"], got["capacity_0.5"]
+    assert full["forward"] == full["backward"] == tight["forward"] == tight["backward"] == 0, got
+    assert_close(full["loss"], free["loss"], FP32_PARITY, "capacity 2 vs dropless loss")
+    for a, b in zip(full["expert_grads"], free["expert_grads"]):
+        assert_close(a, b, FP32_PARITY, "capacity 2 vs dropless expert grad norm")
+    assert full["dropped"] == 0 < tight["dropped"] and tight["loss"] != free["loss"], got

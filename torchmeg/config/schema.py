@@ -140,6 +140,8 @@ class Parallelism:
     context_parallel_mode: str = _f("allgather", choices=["allgather", "ring", "alltoall"],
                                     help="K/V exchange of context-parallel attention")
     expert_parallel_degree: int = _f(1, lo=1)
+    expert_capacity_factor: float = _f(0.0, lo=0.0, help="EP: 0 = dropless (one host read per layer); > 0 = fixed "
+                                       "capacity per peer, no host read, tokens beyond it dropped (ep: none dropped)")
     enable_async_tensor_parallel: bool = _f(False)
     fsdp_reshard_after_forward: bool = _f(True)
 
@@ -302,9 +304,7 @@ def coerce(key: str, value: Any, tp) -> Any:
             return value
         if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if t is str and isinstance(value, str):
-            return value
-        if t is list and isinstance(value, list):
+        if t in (str, list) and isinstance(value, t):
             return value
     raise ConfigError(f"{key} = {value!r}: expected {_type_name(tp)}")
 

@@ -135,6 +135,8 @@ def format_line(r: dict) -> str:
          f"mem {r['memory_gib']:.2f} GiB | {r['elapsed_ms']:.0f} ms")
     if "moe_imbalance" in r:
         s += f" | experts max/mean {r['moe_imbalance']:.2f}"
+    if "moe_dropped" in r:
+        s += f" | dropped {100 * r['moe_dropped']:.1f}%"
     if "mtp_loss" in r:
         s += f" | mtp_loss {r['mtp_loss']:.4f}"
     if "dpo_margin" in r:

@@ -21,6 +21,7 @@ ep so they match the data-parallel mean (see `expert_grad_scale`).
 """
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -77,9 +78,69 @@ class AllToAllDispatch:
         return all_to_all_single_autograd(y.contiguous(), send, recv, self.group)
 
 
-def apply_ep(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
+class CapacityDispatch(AllToAllDispatch):
+    """Expert parallel without a host read (parallelism.expert_capacity_factor > 0): every rank
+    sends every peer a buffer of the same size, C = ceil(factor x its routed rows / ep) rows, so
+    the all-to-alls take equal splits and nothing waits for the counts on the host (what CUDA
+    graphs and a stream that never stalls need; Megatron's capacity factor with padding). Rows
+    beyond a peer's C are dropped (their expert output is zero; `dropped` counts them); with
+    factor = ep nothing can be dropped and the result is the dropless one. The padding rows are
+    zeros given to the last local expert, whose grouped matmuls map them to zeros (SwiGLU of 0 is
+    0): no row is left outside the groups. Needs grouped matmuls (bf16 on CUDA sm90+, fp32 / bf16
+    on CPU)."""
+
+    def __init__(self, ep_mesh, n_experts: int, factor: float):
+        super().__init__(ep_mesh, n_experts)
+        self.factor = factor
+        self.dropped = None  # rows dropped since the router log last read it (a device scalar)
+
+    @torch._dynamo.disable
+    def __call__(self, experts: nn.Module, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        ep, El, dev = self.ep, self.local, x_TD.device
+        N, D = x_TD.shape
+        C = max(1, math.ceil(self.factor * N / ep))
+        counts = counts_E.to(torch.int64).view(ep, El)
+        # Rows arrive sorted by expert, hence by owner: each row's owner and place in its buffer.
+        per_peer = counts.sum(1)
+        owner = torch.repeat_interleave(torch.arange(ep, device=dev), per_peer, output_size=N)
+        place = torch.arange(N, device=dev) - (per_peer.cumsum(0) - per_peer)[owner]
+        keep = place < C
+        slot = torch.where(keep, owner * C + place, ep * C)  # dropped rows -> one scratch row
+        send = x_TD.new_zeros(ep * C + 1, D).index_copy(0, slot, x_TD)[:-1]
+        # what survives of each (peer, local expert) count: the buffer takes experts in order
+        ends = counts.cumsum(1)
+        kept = (ends.clamp(max=C) - (ends - counts).clamp(max=C)).flatten()
+        dropped = (N - kept.sum()).to(torch.float32)
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+        recv_counts = torch.empty_like(kept)
+        dist.all_to_all_single(recv_counts, kept, group=self.group)
+        x_recv = all_to_all_single_autograd(send.contiguous(), None, None, self.group)
+        # each received row's local expert (padding rows: the last one), then grouped by it
+        row = torch.arange(C, device=dev).expand(ep, C)
+        ids = torch.searchsorted(recv_counts.view(ep, El).cumsum(1), row.contiguous(), right=True).clamp(max=El - 1)
+        ids = ids.flatten()
+        order = ids.argsort(stable=True)
+        sizes = torch.bincount(ids, minlength=El)
+        x_sorted = x_recv[order]
+        if is_hf_experts(experts):
+            w = (experts.gate_up_proj.to_local(), experts.down_proj.to_local())
+            offs = sizes.cumsum(0).to(torch.int32)
+            h = experts._apply_gate(torch._grouped_mm(x_sorted, w[0].transpose(-2, -1), offs=offs))
+            y = torch._grouped_mm(h, w[1].transpose(-2, -1), offs=offs)
+        else:
+            w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
+            if not (grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2)):
+                raise ConfigError(f"parallelism.expert_capacity_factor = {self.factor}: needs grouped matmuls, not "
+                                  f"there for {x_sorted.dtype} here (bf16 on CUDA sm90+, which the planner assumes; "
+                                  f"fp32 / bf16 on CPU); use mixed_precision = \"bf16\" or expert_capacity_factor = 0")
+            y = grouped_ffn(w1, w2, w3, x_sorted, sizes)
+        y = all_to_all_single_autograd(y[order.argsort()].contiguous(), None, None, self.group)
+        return torch.cat([y, y.new_zeros(1, D)])[slot]  # dropped rows: zeros
+
+
+def apply_ep(model: nn.Module, ep_mesh, capacity_factor: float = 0.0) -> list[nn.Parameter]:
     """Shard every experts module (torchmeg's grouped experts, transformers' MoE experts) over
-    `ep_mesh`; returns the expert parameters."""
+    `ep_mesh`; returns the expert parameters. capacity_factor > 0: CapacityDispatch."""
     params = []
     for m in model.modules():
         if is_grouped_experts(m):
@@ -95,7 +156,8 @@ def apply_ep(model: nn.Module, ep_mesh) -> list[nn.Parameter]:
             p = nn.Parameter(distribute_tensor(getattr(m, name).data, ep_mesh, [Shard(0)], src_data_rank=None))
             setattr(m, name, p)
             params.append(p)
-        m.dispatch = AllToAllDispatch(ep_mesh, n)
+        m.dispatch = CapacityDispatch(ep_mesh, n, capacity_factor) if capacity_factor > 0 else \
+            AllToAllDispatch(ep_mesh, n)
     return params
 
 

@@ -83,7 +83,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         report["cp_attention"] = apply_cp(model, mesh["cp"], p.context_parallel_mode)
     expert_mesh = None
     if dims.ep > 1 or dims.experts_over_tp:
-        apply_ep(model, ep_mesh[dims.expert_dispatch_dim])
+        apply_ep(model, ep_mesh[dims.expert_dispatch_dim], p.expert_capacity_factor)
         # (HSDP: the experts replicated over dp_replicate and sharded over efsdp, as the rest)
         expert_mesh = ep_mesh["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else ep_mesh["efsdp"]
     if cfg.activation_checkpoint.mode != "none":

@@ -15,7 +15,8 @@ def router_modules(parts) -> tuple[list, list]:
 
 def reduce_router_stats(moe_layers: list, mtp_models: list, args, dims, mesh, device):
     """-> (loads [this rank's MoE layers, experts] summed over the loss group (dp x cp), the log's
-    summary [tokens per expert over every layer..., sum of per-layer max/mean, layers] or None, the
+    summary [tokens per expert over every layer..., (token, expert) rows dropped by a capacity-bound
+    expert dispatch, sum of per-layer max/mean, layers] or None, the
     MTP loss summed over the loss group or None). Under PP each stage holds its own layers: the
     summary and the MTP loss (last stage only) are summed over the pipeline too, every rank
     joining whether it holds MoE layers or not, so whichever rank prints logs the whole model. With
@@ -27,11 +28,18 @@ def reduce_router_stats(moe_layers: list, mtp_models: list, args, dims, mesh, de
     if moe_layers or n_experts:
         loads = torch.stack([m.tokens_per_expert for m in moe_layers]) if moe_layers else \
             torch.zeros(0, n_experts, device=device)
-        dist.all_reduce(loads, group=loss_group)
+        dropped = [d for m in moe_layers if (d := getattr(m.experts.dispatch, "dropped", None)) is not None]
+        # one collective for both: the loads and the dropped rows
+        flat = torch.cat([loads.flatten(), sum(dropped, loads.new_zeros(())).view(1)])
+        dist.all_reduce(flat, group=loss_group)
         if dims.experts_over_tp:
-            dist.all_reduce(loads, group=mesh["tp"].get_group())
+            dist.all_reduce(flat, group=mesh["tp"].get_group())
+        loads = flat[:-1].view_as(loads)
+        for m in moe_layers:
+            if getattr(m.experts.dispatch, "dropped", None) is not None:
+                m.experts.dispatch.dropped = None
         ratio = loads.max(1).values / loads.mean(1).clamp_min(1e-9) if moe_layers else loads.new_zeros(0)
-        summary = torch.cat([loads.sum(0), ratio.sum().view(1), loads.new_full((1,), float(len(loads)))])
+        summary = torch.cat([loads.sum(0), flat[-1:], ratio.sum().view(1), loads.new_full((1,), float(len(loads)))])
         if n_experts:
             dist.all_reduce(summary, group=pp_group)
     if getattr(args, "mtp_depth", 0):

@@ -232,8 +232,10 @@ class Trainer:
             m.update_bias(load)
             m.tokens_per_expert.zero_()
         if summary is not None:
-            self.router_stats = {"moe_imbalance": (summary[-2] / summary[-1]).item(),
-                                 "tokens_per_expert": summary[:-2].tolist()}
+            s = summary.tolist()
+            self.router_stats = {"moe_imbalance": s[-2] / s[-1], "tokens_per_expert": s[:-3]}
+            if self.cfg.parallelism.expert_capacity_factor > 0:  # the share of routed rows dropped
+                self.router_stats["moe_dropped"] = s[-3] / max(sum(s[:-3]), 1.0)
         if mtp is not None:  # this step's MTP cross-entropy (mean over microbatches), averaged
             self.router_stats["mtp_loss"] = mtp.item() / dist.get_world_size(self.loss_group)
             for m in self.mtp_models:

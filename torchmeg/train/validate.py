@@ -61,6 +61,9 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
         context.check(cfg, args, dims)
     if dims.ep > 1 or dims.experts_over_tp:
         expert.check(cfg, args, dims)
+    elif p.expert_capacity_factor:
+        raise ConfigError(f"parallelism.expert_capacity_factor = {p.expert_capacity_factor}: applies to expert "
+                          f"parallel dispatch only; set expert_parallel_degree > 1 or leave it at 0")
     dims.check_tp(args, cfg)
     _check_dpo(cfg, dims)
     layout = _layout(cfg, world_size, dims, spec, args)
