@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
@@ -115,13 +116,19 @@ _ZYGOTES: "collections.OrderedDict[tuple, _Zygote]" = collections.OrderedDict()
 # One-process runs and ranks (OMP_NUM_THREADS=1) need two servers; tests with an environment of their
 # own (compile tests' inductor cache folder) get one each, the least recently used going first.
 _MAX_ZYGOTES = 4
+_ZYGOTE_LOCK = threading.Lock()
 
 
 def _zygote_for(env: dict):
     """The fork server for a run with `env`, started at first use; None with TORCHMEG_TEST_NO_ZYGOTE=1
-    (every run in a fresh interpreter)."""
+    (every run in a fresh interpreter). Thread-safe: tests start runs from a pool."""
     if os.environ.get("TORCHMEG_TEST_NO_ZYGOTE") == "1":
         return None
+    with _ZYGOTE_LOCK:
+        return _zygote_locked(env)
+
+
+def _zygote_locked(env: dict):
     from zygote import import_key
     key = import_key(env)
     if key in _ZYGOTES:

@@ -3,6 +3,7 @@
 import json
 import math
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -84,9 +85,9 @@ def test_recompute_gradients_equal_none(mode, option):
 
 @pytest.mark.slow
 def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
-    """Emulated float8 (torchao, tensorwise) on the debug recipe for 50 steps: the held-out loss at
-    step 50 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's."""
-    args = ["--config", "recipes/debug_llama.toml", "--training.steps=50", "--validation.freq=50",
+    """Emulated float8 (torchao, tensorwise) on the debug recipe for 30 steps: the held-out loss at
+    step 30 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's."""
+    args = ["--config", "recipes/debug_llama.toml", "--training.steps=30", "--validation.freq=30",
             "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10"]
     run_cli(args, tmp_path, name="fp32", timeout=300)
     run_cli(args + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300,
@@ -95,7 +96,7 @@ def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
     assert rec["float8_modules"] == _float8_fqns(4), rec["float8_modules"]
     assert {"float8_e4m3fn", "float8_e5m2"} <= set(rec["dtypes_seen"]), rec["dtypes_seen"]
     a, b = read_metrics(tmp_path, "fp32")[-1], read_metrics(tmp_path, "fp8")[-1]
-    assert a["step"] == b["step"] == 50
+    assert a["step"] == b["step"] == 30
     assert abs(b["val_loss"] - a["val_loss"]) <= 0.05 * a["val_loss"], (a["val_loss"], b["val_loss"])
     assert b["loss"] < read_metrics(tmp_path, "fp8")[0]["loss"] - 1.5  # and it really trained
 
@@ -175,8 +176,11 @@ def test_compile_cache_kept_per_cpu_isa(tmp_path):
     cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     args = TINY + ["--training.steps=3", "--compile.enable=true", "--validation.enable=false",
                    "--training.deterministic=true"]
-    run_cli(args, tmp_path, name="native", env=cache)
-    run_cli(args, tmp_path, name="avx2", env=dict(cache, ATEN_CPU_CAPABILITY="avx2"))
+    # side by side: each compiles its own kernels (mostly one core's work: codegen, the C++ compiler)
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(run_cli, args, tmp_path, name="native", env=cache),
+                pool.submit(run_cli, args, tmp_path, name="avx2", env=dict(cache, ATEN_CPU_CAPABILITY="avx2"))]
+        [r.result() for r in runs]
     native, avx2 = read_metrics(tmp_path, "native"), read_metrics(tmp_path, "avx2")
     assert all(math.isfinite(r["loss"] or math.nan) for r in avx2), avx2
     compare(native, avx2, 1e-4)
