@@ -22,6 +22,7 @@ from torchmeg.config.schema import load_config
 from torchmeg.data.tokenizer import ByteTokenizer
 from torchmeg.inference.engine import Sampling, generate
 from torchmeg.models import build_model, materialize
+from torchmeg.models.args import model_args
 from torchmeg.serving.scheduler import Engine, Job
 
 import openai
@@ -140,6 +141,20 @@ def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
     # format's rule, fp32 1e-5 / bf16 one rounding of the output (2^-8) relative to the logits' scale
     assert last.shape == (1, 1, full.shape[-1])
     assert_tensor_close(last.float(), full[:, -1:].float(), FP32_PARITY if dtype == torch.float32 else 2 ** -8, "last_only")
+
+
+def test_a_kv_cache_that_does_not_fit_fails_at_start_in_one_line():
+    """`Engine.reserve` allocates the slots at start (the server calls it before listening): a size the
+    machine cannot hold is a ConfigError naming the two flags, not an error at the first request."""
+    from torchmeg.config.errors import ConfigError
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    a = model_args(cfg, 257)
+    assert Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=1).reserve() == \
+        2 * a.n_layers * 2 * a.kv_heads * 64 * a.head_dim * 4  # k, v x layers x slots x kv heads x positions x dim x fp32
+    # 2^54 bytes a buffer: more than any machine holds, refused by the allocator before a page is touched
+    with pytest.raises(ConfigError, match=r"^--max-seqs 1024 x --max-model-len 68719476736: the KV cache does not fit"):
+        Engine(model, ByteTokenizer(), "cpu", max_seqs=1024, max_len=2 ** 36, max_queue=1).reserve()
 
 
 # ---- a real server ---------------------------------------------------------------------------------

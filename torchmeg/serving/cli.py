@@ -93,6 +93,7 @@ def run(prepared) -> None:
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_queue, a.prefill_tokens,
                     channel=channel)
+    a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
 
@@ -126,7 +127,8 @@ def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
         thread.start()
         kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
         print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
-              f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens | "
+              f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens "
+              f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}) | "
               f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         yield
         stopping.set()

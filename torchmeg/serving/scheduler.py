@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from torchmeg.config.errors import ConfigError
 from torchmeg.inference.engine import Sampling, last_only, row_streams, sample
 from torchmeg.models.kv_cache import KVCache
 from torchmeg.serving.slots import SlotCache
@@ -180,6 +181,19 @@ class Engine:
             tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
             out.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
         return torch.cat(out).float() if out else torch.empty(0)
+
+    def reserve(self) -> int:
+        """Allocate the KV cache now (a one-token prefill into slot 0; every rank at once under TP):
+        a cache that does not fit fails at start, not at the first request. -> its bytes."""
+        try:
+            self.forward(Plan(prefill=[(0, [max(self.tok.eos_id, 0)])]))
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's "can't allocate"
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            raise ConfigError(f"--max-seqs {self.max_seqs} x --max-model-len {self.max_len}: the KV cache does not fit "
+                              f"({str(e).splitlines()[0]}); lower either") from None
+        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def _forward_each(self, plan: Plan) -> torch.Tensor:
         """A model that keeps its own cache (transformers' attention, for `hf` models) cannot read the

@@ -16,7 +16,8 @@ is long and most requests are short, and need a paged attention kernel, which SD
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from torchmeg.models.kv_cache import LayerCache
 
 
 class SlotCache:
@@ -57,18 +58,9 @@ class SlotCache:
         return self._mask
 
 
-class SlotLayer:
-    """One attention layer's buffers (the interface of models.kv_cache.LayerCache)."""
-
-    def __init__(self, owner: SlotCache):
-        self.owner = owner
-        self.k = self.v = None
-
-    def update(self, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._write("k", k_BKLD), self._write("v", v_BKLD)
-
-    def append(self, x_BKLD: torch.Tensor) -> torch.Tensor:
-        return self._write("k", x_BKLD)
+class SlotLayer(LayerCache):
+    """One attention layer's buffers: models.kv_cache.LayerCache's update / append / attend, each
+    slot written at its own length."""
 
     def _write(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
         c = self.owner
@@ -82,8 +74,3 @@ class SlotLayer:
         if c._contiguous:
             return buf[c._slice, :, :c.read_len]
         return buf[c.rows, :, :c.read_len]
-
-    def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
-        k, v = self.update(k_BKLD, v_BKLD)
-        mask = self.owner.mask(q_BHLD.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q_BHLD, k, v, attn_mask=mask, enable_gqa=q_BHLD.shape[1] != k.shape[1])
