@@ -81,7 +81,7 @@ def test_each_rank_fills_only_its_shards_at_world_8():
 
 @pytest.mark.slow
 def test_every_shipped_flavor_initialises_finite_at_its_layout():
-    """Rank 0's shards of every shipped flavor at its recipe's layout (llama3_405b: TP 8 x PP 8 x FSDP 8
+    """Rank 0's shards of every shipped flavor at its recipe's layout (llama3_405b: TP 8 x PP 16 x FSDP 4
     of 512; flavors no recipe ships: FSDP 8), through the trainer's build on a fake process group:
     finite, and each parameter's sample within 5 standard errors of its rule's mean and std
     (tests/flavor_init_worker.py)."""
@@ -93,6 +93,6 @@ def test_every_shipped_flavor_initialises_finite_at_its_layout():
     shipped = {f"{m}/{f}" for m in ("llama", "gpt2", "moe") for f in get_spec(m).flavors}
     by_recipe = {"llama/debug", "gpt2/124M", "moe/debug", "llama/8B", "llama/70B", "llama/405B"}
     assert shipped <= set(rows) | by_recipe, shipped - set(rows) - by_recipe
-    assert rows["recipes/llama3_405b.toml"]["layout"] == "world 512: dp_shard=8, tp=8, pp=8"
+    assert rows["recipes/llama3_405b.toml"]["layout"] == "world 512: dp_shard=4, tp=8, pp=16"
     for r in rows.values():
         assert r["params"] > 0 and r["sampled"] > 0 and r["bad"] == [], r

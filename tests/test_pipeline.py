@@ -39,7 +39,8 @@ def test_schedule_matches_single_process(schedule, tmp_path, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, ranks, local, layout", [
-    ("pp2_fsdp2", 4, 4, [P + "pipeline_parallel_degree=2"]),
+    ("pp2_fsdp2", 4, 4, [P + "pipeline_parallel_degree=2"]),  # weights gathered once a step (the default)
+    ("pp2_fsdp2_regather", 4, 4, [P + "pipeline_parallel_degree=2", P + "fsdp_reshard_per_microbatch=true"]),
     # split-backward schedule x FSDP: weights stay gathered until the W pass (parallelize.py)
     ("pp2_fsdp2_zbv", 4, 4, [P + "pipeline_parallel_degree=2", P + "pipeline_parallel_schedule=ZBVZeroBubble"]),
     ("pp2_tp2", 4, 8, [P + "pipeline_parallel_degree=2", P + "tensor_parallel_degree=2"]),
@@ -49,8 +50,10 @@ def test_schedule_matches_single_process(schedule, tmp_path, reference):
                                          P + "pipeline_parallel_schedule=Interleaved1F1B"]),
 ])
 def test_composition_matches_single_process(name, ranks, local, layout, tmp_path, reference):
-    run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks, timeout=180)
+    p = run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks, timeout=180)
     compare(reference, read_metrics(tmp_path))
+    if "fsdp2" in name:  # what FSDP did between microbatches (parallelize.reshard_after_forward)
+        assert ("per microbatch" if "regather" in name else "once per step") in p.stdout, p.stdout[-2000:]
 
 
 @pytest.mark.parametrize("override, words", [
@@ -62,6 +65,8 @@ def test_composition_matches_single_process(name, ranks, local, layout, tmp_path
      ["ZBVZeroBubble", "exactly 2 stages per rank"]),
     ([P + "pipeline_parallel_schedule=GPipe", P + "pipeline_parallel_layers_per_stage=1"], ["GPipe", "one stage"]),
     ([P + "pipeline_parallel_microbatches=1"], ["pipeline_parallel_microbatches", "too few"]),
+    ([P + "pipeline_parallel_schedule=ZBVZeroBubble", P + "fsdp_reshard_per_microbatch=true"],
+     ["fsdp_reshard_per_microbatch = true", "ZBVZeroBubble", "set it false"]),
     ([P + "pipeline_parallel_microbatches=3"], ["pipeline_parallel_microbatches", "divide"]),
     (["--model.n_layers=3"], ["n_layers = 3", "[1, 2]"]),
     (["--model.tie_embeddings=true"], ["tie_embeddings"]),

@@ -24,7 +24,13 @@ RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
 # and counts the middle one's ops, collectives and held bytes once more.
 LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.global_batch_size=16"]),
            ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
-           ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"])]
+           ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"]),
+           # PP x FSDP: the stage's weights gathered once a step (the default), then once per microbatch
+           # forward and backward as 1F1B orders them (5 gathers of each stage's blocks at 4 microbatches)
+           ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4"]),
+           ("pp2_fsdp2_regather", 4, ["--parallelism.pipeline_parallel_degree=2",
+                                      "--parallelism.pipeline_parallel_microbatches=4",
+                                      "--parallelism.fsdp_reshard_per_microbatch=true"])]
 
 
 def _plan(args, timeout=400):
@@ -53,7 +59,7 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert planner.returncode == 0, err[-3000:]
     plan = json.load(open(tmp_path / "plan.json"))
-    assert len(plan["ranks"]) == (2 if name == "pp2" else 1)
+    assert len(plan["ranks"]) == (2 if name.startswith("pp2") else 1)
     for r in plan["ranks"]:
         m = json.load(open(tmp_path / f"m.rank{r['rank']}"))
         assert r["model_state_bytes"] == m["model_state_bytes"], (name, r["rank"])

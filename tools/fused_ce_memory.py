@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchmeg.train.build import cross_entropy  # noqa: E402  (the repository root, put on the path above)
 from torchmeg.kernels.fused_ce import linear_cross_entropy  # noqa: E402
-from torchmeg.plan.dry_run import current_bytes, peak_bytes, step_memory  # noqa: E402
+from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -4,10 +4,9 @@ The section and key names are the public contract (see RECIPES.md). Every bad in
 `ConfigError` with ONE line naming the key, the value and what is allowed; the CLI turns that
 into exit code 2 before any process group exists.
 
-Types are checked as a recipe loads; what else the recipe alone decides (ranges, choices, keys
-that go together) is torchmeg.config.checks', and the checks against the model, the world size,
-the data and the disk are their owners'; `torchmeg.train.validate` runs them all. This module imports
-nothing from torchmeg but its errors.
+Types are checked as a recipe loads; what else the recipe alone decides (ranges, choices, keys that go
+together) is torchmeg.config.checks', and the checks against the model, the world size, the data and
+the disk are their owners'; `torchmeg.train.validate` runs them all. It imports only torchmeg's errors.
 """
 from __future__ import annotations
 
@@ -144,6 +143,7 @@ class Parallelism:
                                        "capacity per peer, no host read, tokens beyond it dropped (ep: none dropped)")
     enable_async_tensor_parallel: bool = _f(False)
     fsdp_reshard_after_forward: bool = _f(True)
+    fsdp_reshard_per_microbatch: bool = _f(False, help="under PP: FSDP gathers per microbatch (true) or per step")
 
 
 @dataclass

@@ -132,12 +132,17 @@ def describe_report(report: dict) -> str:
 
 
 def reshard_after_forward(cfg, dims: ParallelDims) -> bool:
-    """fsdp_reshard_after_forward, except under the split-backward pipeline schedules: their
-    weight-gradient pass (W) runs after FSDP's post-backward hook has fired on the input-gradient
-    pass (I), and with resharded weights the W gradients of sharded parameters come out wrong
-    (grad norm 13.4 instead of 17.7 at PP2 x FSDP2 ZBVZeroBubble, torch 2.13; measured). Keeping
-    the weights gathered from forward to W makes them exact (tested)."""
-    return cfg.parallelism.fsdp_reshard_after_forward and not splits_backward(cfg, dims)
+    """fsdp_reshard_after_forward without PP. Under PP, fsdp_reshard_per_microbatch (default off,
+    as torchtitan): torch's stages keep the gathered weights through every microbatch's backward
+    and reduce once per step, so resharding after each forward only re-gathers the stage once per
+    microbatch (16 all-gathers a step at 16 microbatches). Never under the split-backward
+    schedules: their weight-gradient pass (W) runs after FSDP's post-backward hook has fired on the
+    input-gradient pass (I), and with resharded weights the W gradients of sharded parameters come
+    out wrong (grad norm 13.4 instead of 17.7 at PP2 x FSDP2 ZBVZeroBubble, torch 2.13; measured)."""
+    p = cfg.parallelism
+    if dims.pp == 1:
+        return p.fsdp_reshard_after_forward
+    return p.fsdp_reshard_after_forward and p.fsdp_reshard_per_microbatch and not splits_backward(cfg, dims)
 
 
 def _enable_async_tp(tp_mesh) -> None:

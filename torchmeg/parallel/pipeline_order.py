@@ -5,11 +5,13 @@ schedule class; `get_schedule_ops` instantiates it with mock stages). `simulate`
 an action starts when its rank is free and its inputs exist (F(s,i) after F(s-1,i); backward of
 (s,i) after its own forward and the backward of (s+1,i); W after I), with a forward of one stage
 chunk = 1 unit, a full backward B = 2, its split halves I (input grad) and W (weight grad) = 1
-each. Used by tools/pipeline_schedule.py (timelines) and the planner (bubble, activations in flight).
+each. Used by tools/pipeline_schedule.py (timelines) and the planner (bubble, activations in flight,
+FSDP all-gathers per step: `fsdp_gathers`).
 """
 from __future__ import annotations
 
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import _add_unshard_reshard
 
 DUR = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -95,3 +97,41 @@ def bubble(timeline) -> float:
     end = max(e for row in timeline for _, e, *_ in row)
     busy = [sum(e - s for s, e, *_ in row) for row in timeline]
     return sum(end - b for b in busy) / sum(busy)
+
+
+def fsdp_gathers(schedule: str, pp: int, m: int, v: int | None, per_microbatch: bool) -> list[dict[int, tuple]]:
+    """Per rank, per stage: (all-gathers of the stage's root parameters, all-gathers of its blocks)
+    in one step, as torch 2.13 runs FSDP stages. Every microbatch's backward leaves the weights
+    gathered (FSDP's post-backward reshard is off until the step's one gradient reduce), so a
+    stage gathers once per step; with `per_microbatch` each block reshards after every forward
+    and the next forward or backward of the stage gathers it again (the root never reshards
+    after forward). The multi-stage schedules also unshard up to three stages ahead and reshard
+    the ones they leave: torch's own lowering (`_add_unshard_reshard`) is replayed for them."""
+    if schedule in ("GPipe", "1F1B"):
+        rows = [[(k, s) for k, s, _ in row] for row in torch_actions(schedule, pp, m, None)]
+    else:
+        names = {"UNSHARD": "U", "RESHARD": "R", "FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",
+                 "BACKWARD_WEIGHT": "W"}
+        rows = []
+        for ops in get_schedule_ops(schedule, pp, m, num_stages_per_rank=v):
+            row = []
+            for b in _add_unshard_reshard(list(ops)):
+                for a in (b.sub_actions or ()) if b.computation_type.name == "OVERLAP_F_B" else (b,):
+                    if a.computation_type.name in names:
+                        row.append((names[a.computation_type.name], a.stage_index))
+            rows.append(row)
+    out = []
+    for row in rows:
+        held, count = {}, {}
+        for kind, s in row:
+            h, c = held.setdefault(s, [False, False]), count.setdefault(s, [0, 0])
+            if kind == "R":
+                h[:] = [False, False]
+            elif kind in ("U", "F", "B", "I"):
+                for i in (0, 1):
+                    c[i] += not h[i]
+                    h[i] = True
+                if kind == "F" and per_microbatch:
+                    h[1] = False
+        out.append({s: tuple(c) for s, c in count.items()})
+    return out

@@ -10,9 +10,10 @@ run would have. Step 1 runs untracked (the optimizer creates its state); step 2 
 MemTracker (memory by category, peak) and StepCost (ops, FLOPs, bytes, collectives by mesh dim).
 
 Pipeline stages cannot run torch's schedule without peers, so a PP rank's step is accounted for
-from its parts: one microbatch's forward and backward per stage, measured the same way, and the
-schedule's own action order (pipeline_order) says how many microbatches' activations are held at
-once. compile is off in a dry run (inductor does not trace fake-mode parameters); it changes no
+from its parts: each stage measured as torch's stage runs it (plan.pipeline_stage: FSDP's
+gathers, one microbatch, the gradient reduce), and the schedule's own action order
+(pipeline_order) says how many microbatches' activations are held at once and how often FSDP
+gathers each stage. compile is off in a dry run (inductor does not trace fake-mode parameters); it changes no
 parameter, gradient or optimizer byte and lowers activation memory a little, so the plan errs high.
 Document masking (data.document_masking) is planned as one document per window: where documents
 end depends on the data, and shorter ones attend to fewer keys, so attention FLOPs err high too.
@@ -25,7 +26,6 @@ import multiprocessing as mp
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
@@ -35,39 +35,14 @@ from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
-from torchmeg.parallel.pipeline_order import bubble, simulate, torch_actions
+from torchmeg.parallel.parallelize import reshard_after_forward
+from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, simulate, torch_actions
+from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
+from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
 from torchmeg.plan.step_cost import StepCost, add_comm, mesh_group_labels
 
 MIB = 2 ** 20
-
-
-def peak_bytes(mt) -> dict[str, int]:
-    """MemTracker's peak snapshot summed over devices: {category: bytes}."""
-    out: dict[str, int] = {}
-    for dev, cats in mt.get_tracker_snapshot("peak").items():
-        for k, v in cats.items():
-            out[str(getattr(k, "value", k))] = out.get(str(getattr(k, "value", k)), 0) + int(v)
-    return out
-
-
-def step_memory():
-    """torch's MemTracker (live bytes by category and their peak, from every op's outputs plus the
-    parameters, gradients and optimizer state it is told about) without its per-module statistics:
-    those refuse a module called twice in one step (gradient accumulation, pipeline microbatches)."""
-    class StepMemory(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-    return StepMemory()
 
 
 class Measurement(dict):
@@ -117,13 +92,6 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measur
         mem["Total"] = mem.get("Total", 0) + max(0, held2 - held1) * microbatches.more
     return Measurement(memory=mem, flops=cost.flops, ops=cost.ops, comm=cost.comm_table(),
                        flops_by_op=cost.flops_by_op())
-
-
-def activation_bytes(memory: dict[str, int]) -> int:
-    """Peak memory that is not parameters, buffers, gradients or optimizer state: activations,
-    temporaries and gathered (unsharded) weights, at the step's peak."""
-    static = sum(memory.get(k, 0) for k in ("Parameter", "Buffer", "Gradient", "Optstate"))
-    return memory.get("Total", 0) - static
 
 
 # What a planning child works on, set before the Pool forks it: inherited by the fork, never
@@ -263,7 +231,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         last = loss_function(cfg, built) if sid == n_stages - 1 else None
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
-        fm = _measure_forward(part, opt, labels, x, last, y, n_micro, kw)
+        fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, reshard_after_forward(cfg, dims))
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -287,15 +255,19 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
     actions = torch_actions(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None)
-    comm = {}
-    flops, ops = 0, []
+    flops, ops, stage_comm = 0, [], {}
     for s, st in per_stage.items():
+        # TP / CP / EP collectives run for every microbatch; FSDP's reduce once a step.
+        stage_comm[s] = {}
         for key, c in st["comm"].items():
-            # TP / CP / EP collectives run for every microbatch; FSDP gathers and reduces per step.
-            add_comm(comm, key, c, 1 if key.split("/")[0] in ("dp_shard", "dp_shard_cp", "dp_replicate", "dp")
-                      else n_micro)
+            add_comm(stage_comm[s], key, c, n_micro)
+        for key, c in st["reduce"].items():
+            add_comm(stage_comm[s], key, c, 1)
         flops += st["flops"] * n_micro
-        ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]]
+        ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]] + st["reduce_ops"]
+    gathers = fsdp_gathers(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None,
+                           reshard_after_forward(cfg, dims))
+    comm = {}
     for kind, nbytes in p2p:
         add_comm(comm, f"pp/{kind}", {"count": 1, "bytes": nbytes, "wire_bytes": nbytes if kind == "send" else 0.0,
                                        "ranks": 2}, n_micro)
@@ -310,6 +282,14 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     for pp_rank in pp_ranks:
         ids = pl.stage_ids(pp_rank, dims.pp, v, sched)
         mine = dict(zip(ids, (per_stage[s] for s in built.stage_ids)))  # same shapes, position by position
+        rank_comm = {k: dict(c) for k, c in comm.items()}
+        for s_rank, s_built in zip(ids, built.stage_ids):
+            st = per_stage[s_built]
+            n_root, n_blocks = gathers[pp_rank].get(s_rank, (0, 0))
+            for table, times in ((stage_comm[s_built], 1), (st["gather_root"], n_root),
+                                 (st["gather_blocks"], n_blocks)):
+                for key, c in table.items() if times else ():
+                    add_comm(rank_comm, key, c, times)
         live, peak = 0, 0
         for kind, s, _ in actions[pp_rank]:
             st = mine[s]
@@ -321,42 +301,18 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
                 if kind in ("B", "W"):
                     live -= st["act"]
         # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
-        memory = {"Total": max(state + buffers + peak, tail_m["memory"].get("Total", 0)), "Parameter": params,
+        # FSDP's gathered weights and unsharded accumulated gradients are held from a stage's first
+        # microbatch to the step's reduce (an upper bound for the few actions before they exist).
+        kept = sum(st["kept"] for st in mine.values())
+        memory = {"Total": max(state + buffers + kept + peak, tail_m["memory"].get("Total", 0)), "Parameter": params,
                   "Gradient": params,  # fp32 gradients of every local parameter, held to the update
                   "Optstate": state - 2 * params, "Buffer": buffers}
-        m = Measurement(memory=memory, flops=flops, ops=ops, comm=comm)
+        m = Measurement(memory=memory, flops=flops, ops=ops, comm=rank_comm)
         m.update(rank=pp_rank * (dims.world_size // dims.pp), pp_rank=pp_rank, stages=ids, model_state_bytes=state,
                  report=built.report,
                  pipeline={"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb, "bubble": bub,
-                           "stage_activation_bytes": {s: st["act"] for s, st in mine.items()}})
+                           "stage_activation_bytes": {s: st["act"] for s, st in mine.items()},
+                           "stage_kept_bytes": {s: st["kept"] for s, st in mine.items()},
+                           "fsdp_gathers": gathers[pp_rank]})
         out.append(m)
     return out
-
-
-def _measure_forward(part, opt, labels, x, loss_fn, y, n_micro, kw) -> dict:
-    """One microbatch through one stage: bytes held after forward (activations + output), the
-    transient peaks of forward and backward above that, and its ops and collectives. `loss_fn`:
-    the last stage's loss (None on the others); `kw`: the model's keyword inputs."""
-    mt = step_memory()
-    mt.track_external(part, opt)
-    cost = StepCost(labels)
-    with mt, cost:
-        base = current_bytes(mt)
-        out = part(x, **kw)
-        after_fwd = current_bytes(mt)
-        fwd_peak = peak_bytes(mt).get("Total", 0)
-        if loss_fn is not None:
-            (loss_fn(out, y) / n_micro).backward()
-        else:
-            out.backward(torch.ones_like(out))
-        bwd_peak = peak_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
-    act = after_fwd - base
-    return {"act": act, "fwd_transient": max(0, fwd_peak - after_fwd), "bwd_transient": max(0, bwd_peak - after_fwd),
-            "out_bytes": out.numel() * out.element_size(), "flops": cost.flops, "ops": cost.ops,
-            "comm": cost.comm_table()}
-
-
-def current_bytes(mt) -> int:
-    return sum(int(v) for cats in mt.get_tracker_snapshot("current").values()
-               for k, v in cats.items() if str(getattr(k, "value", k)) == "Total")
-

@@ -13,7 +13,8 @@ import time
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.args import instantiate
 from torchmeg.models.count import active_params, count_params, flops_per_token
-from torchmeg.plan.dry_run import activation_bytes, dry_run
+from torchmeg.plan.dry_run import dry_run
+from torchmeg.plan.memory import activation_bytes
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.predict import predict
 from torchmeg.train.validate import validate

@@ -138,8 +138,9 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
     for part in parts:
         prepare(part)
     desc = f"stages {ids} of {st.n_stages} ({list(st.layers)} layers), {st.schedule}"
-    if dims.fsdp > 1 and cfg.parallelism.fsdp_reshard_after_forward and not reshard_after_forward(cfg, dims):
-        desc += " (FSDP keeps weights gathered from forward to the weight-gradient pass)"
+    if dims.fsdp > 1:
+        desc += (" (FSDP gathers the stage's weights per microbatch)" if reshard_after_forward(cfg, dims) else
+                 " (FSDP gathers the stage's weights once per step)")
     built = BuiltModel(model=pl.StageUnion(parts, spec.layers_attr), whole=whole, parts=parts, stage_ids=ids,
                        schedule=None, has_first=0 in ids, has_last=st.n_stages - 1 in ids,
                        report=" | ".join(describe_report(p.torchmeg_report) for p in parts), stage_desc=desc,

@@ -1,0 +1,97 @@
+"""One pipeline stage measured as torch's pipeline stage runs it under FSDP.
+
+torch.distributed.pipelining (stage.py, torch 2.13) runs every microbatch's backward with FSDP's
+gradient sync and post-backward reshard off, and reduces once per step (`perform_reduce_grad`):
+once gathered, a stage's weights stay gathered to that reduce, and its gradients accumulate
+unsharded, in the reduce dtype, until then. So a stage is measured in four parts, on fake or real
+tensors alike:
+
+1. the root's own parameters gathered (embeddings, final norm, output head): one all-gather set;
+2. a first microbatch from sharded blocks: the blocks' all-gather set, and the bytes it leaves
+   held to the reduce (`kept`: the gathered weights and the unsharded accumulated gradients);
+3. a second microbatch over gathered weights: its activations, transient peaks, ops and the
+   collectives every microbatch issues (TP, CP, EP);
+4. the reduce itself (reduce-scatter, HSDP all-reduce, the 1/microbatches scaling): once a step.
+
+How many times a step gathers a stage (per microbatch when `fsdp_reshard_per_microbatch`, and
+after the multi-stage schedules' evictions) is the schedule's: parallel.pipeline_order.fsdp_gathers.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
+from torchmeg.plan.step_cost import StepCost
+
+# Mesh dims whose collectives only FSDP issues inside a microbatch (efsdp: the experts' FSDP).
+FSDP_DIMS = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "efsdp")
+
+
+def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, reshard_per_microbatch: bool) -> dict:
+    """-> {act, fwd_transient, bwd_transient, out_bytes, flops, ops, comm (per microbatch),
+    kept, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the last
+    stage's loss (None on the others); `kw`: the model's keyword inputs."""
+    blocks = [m for m in part.modules() if isinstance(m, FSDPModule) and m is not part]
+    if isinstance(part, FSDPModule):
+        part.set_requires_gradient_sync(False)  # as torch's stage, for every microbatch's backward
+        part.set_reshard_after_backward(False)
+    for m in blocks:
+        m.set_reshard_after_forward(False)  # measured with weights held: its bytes are activations only
+    root_cost, cold_cost, cost, reduce_cost = (StepCost(labels) for _ in range(4))
+    mt = step_memory()
+    mt.track_external(part, opt)
+    with mt:
+        base0 = current_bytes(mt) - current_bytes(mt, "Gradient")
+        with root_cost:
+            if isinstance(part, FSDPModule):
+                part.unshard()
+        with cold_cost:
+            _microbatch(part, x, kw, loss_fn, y)
+        # (the parameters' own gradients are counted with the model state: only what FSDP holds besides)
+        kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
+    mt = step_memory()
+    mt.track_external(part, opt)
+    with mt, cost:
+        base = current_bytes(mt)
+        out_bytes, after_fwd, fwd_peak = _microbatch(part, x, kw, loss_fn, y, mt)
+        bwd_peak = peak_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
+    for m in blocks:
+        m.set_reshard_after_forward(reshard_per_microbatch)
+    with reduce_cost:
+        _reduce_grads(part, n_micro)
+    fsdp = lambda table: {k: c for k, c in table.items() if k.split("/")[0] in FSDP_DIMS}  # noqa: E731
+    return {"act": after_fwd - base, "fwd_transient": max(0, fwd_peak - after_fwd),
+            "bwd_transient": max(0, bwd_peak - after_fwd), "out_bytes": out_bytes, "flops": cost.flops,
+            "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
+            "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
+            "reduce_ops": reduce_cost.ops}
+
+
+def _microbatch(part, x, kw, loss_fn, y, mt=None):
+    """One forward + backward of the stage (the last one's loss, the others' output gradient of
+    ones) -> (output bytes, bytes held after forward, the forward's peak); the output and the
+    input's gradient are dropped after, as the schedule sends and frees them."""
+    out = part(x, **kw)
+    after_fwd = current_bytes(mt) if mt is not None else 0
+    fwd_peak = peak_bytes(mt).get("Total", 0) if mt is not None else 0
+    if loss_fn is not None:
+        loss_fn(out, y).backward()
+    else:
+        out.backward(torch.ones_like(out))
+    out_bytes = out.numel() * out.element_size()
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        x.grad = None
+    return out_bytes, after_fwd, fwd_peak
+
+
+def _reduce_grads(part, n_micro: int) -> None:
+    """torch's own `perform_reduce_grad`, the action a schedule runs after a stage's last backward
+    (FSDP's post-backward with gradient sync and reshard on, then gradients / microbatches), on
+    the stage module alone: it reads nothing of the stage object but `submod`."""
+    stage = types.SimpleNamespace(submod=part)
+    stage.scale_grads = lambda factor: _PipelineStageBase.scale_grads(stage, factor)
+    _PipelineStageBase.perform_reduce_grad(stage, n_micro)
