@@ -1,12 +1,13 @@
 """Document-aware causal attention: a window packing documents A|B|C attends within each document
 only, as if each ran alone (Megatron-LM's --reset-attention-mask; torchtitan's document masking).
 
-`documents` [B, S] numbers the documents of each row of the window (0, 0, 1, 1, 1, 2, ...). No S x S
-mask is built: each document's queries attend to its own keys through the fused SDPA kernels, one
-call per (row, document) piece; rows holding a single document run as one batched call. A query
-block that starts inside a document (a context-parallel chunk) sees that document's earlier keys
-in full and its own block causally: SDPA with a lower-right causal bias (flash / memory-efficient
-kernels on CUDA; a mask of that piece's size on CPU).
+`documents` [B, S] numbers the documents of each row of the window (0, 0, 1, 1, 1, 2, ...). On
+CUDA it runs as FlexAttention with a block mask built on the device (models.flex_documents: one
+kernel per layer, no host read). Elsewhere no S x S mask is built: each document's queries attend to
+its own keys through the fused SDPA kernels, one call per (row, document) piece; rows holding a
+single document run as one batched call. A query block that starts inside a document (a
+context-parallel chunk) sees that document's earlier keys in full and its own block causally: SDPA
+with a lower-right causal bias (a mask of that piece's size on CPU).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from torchmeg.config.errors import ConfigError
+from torchmeg.models.flex_documents import document_block_mask, flex_document_attention
 
 
 def repeat_kv(x_BKLD: torch.Tensor, rep: int) -> torch.Tensor:
@@ -55,7 +57,13 @@ class DocumentBatch:
     forward, not per layer)."""
 
     def __init__(self, documents_BS: torch.Tensor):
-        self.ids, self._spans = documents_BS, None
+        self.ids, self._spans, self._masks = documents_BS, None, {}
+
+    def block_mask(self, L: int, q_start: int):
+        """FlexAttention's block mask for L queries from window token q_start (built once per forward)."""
+        if (L, q_start) not in self._masks:
+            self._masks[(L, q_start)] = document_block_mask(self.ids, L, q_start)
+        return self._masks[(L, q_start)]
 
     @property
     def spans(self) -> list[list[tuple[int, int]]]:
@@ -65,13 +73,17 @@ class DocumentBatch:
 
 
 def document_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor, documents,
-                       q_start: int = 0) -> torch.Tensor:
+                       q_start: int = 0, flex: bool = False) -> torch.Tensor:
     """Causal attention within documents (`documents`: [B, S] document numbers, or a DocumentBatch).
     The queries are tokens [q_start, q_start + L) of the window, the keys and values all its S tokens
-    (S = L, q_start = 0 outside context parallel)."""
+    (S = L, q_start = 0 outside context parallel). FlexAttention on CUDA, or with `flex` (CPU:
+    forward only)."""
     L = q_BHLD.shape[2]
+    batch = documents if isinstance(documents, DocumentBatch) else DocumentBatch(documents)
+    if q_BHLD.is_cuda or flex:
+        return flex_document_attention(q_BHLD, k_BKSD, v_BKSD, batch.block_mask(L, q_start))
     gqa = q_BHLD.shape[1] != k_BKSD.shape[1]
-    spans = (documents if isinstance(documents, DocumentBatch) else DocumentBatch(documents)).spans
+    spans = batch.spans
     full = q_start == 0 and L == k_BKSD.shape[2]
     if full and all(len(sp) == 1 for sp in spans):  # one document per row: plain causal, no copies
         return F.scaled_dot_product_attention(q_BHLD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=gqa)
