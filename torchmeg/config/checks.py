@@ -57,10 +57,6 @@ def _check_special(cfg: Config) -> None:
     em = cfg.float8.emulate
     if isinstance(em, str) and em != "auto":
         raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
-    if p.fsdp_reshard_per_microbatch and p.pipeline_parallel_degree > 1 and \
-            p.pipeline_parallel_schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
-        raise ConfigError(f"parallelism.fsdp_reshard_per_microbatch = true: {p.pipeline_parallel_schedule} splits the "
-                          f"backward, whose weight-gradient pass needs the weights still gathered; set it false")
     comps = cfg.compile.components
     bad = [c for c in comps if c not in ("model", "loss")]
     if bad:

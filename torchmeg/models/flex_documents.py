@@ -5,7 +5,7 @@ forward and calls the kernel per piece).
 
 Why CUDA only: FlexAttention has no CPU backward in torch 2.13 ("FlexAttention does not support
 backward on CPU"), so CPU training keeps the SDPA path; on CPU the same mask and kernel run forward
-only, and tests/test_attention.py checks them against the SDPA path there (tests/gpu: on CUDA, with
+only, and tests/test_documents.py checks them against the SDPA path there (tests/gpu: on CUDA, with
 gradients).
 
 The mask: query i of the block (token q_start + i of the window) sees key j when both lie in the

@@ -72,6 +72,9 @@ def plan_stages(cfg, n_layers: int, pp: int) -> tuple[int, list[int]]:
     if sched in LOOPED and v < 2:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule = {sched!r}: needs virtual stages (>= 2 per rank, "
                           f"{2 * pp} stages here); the split gives {len(counts)}")
+    if p.fsdp_reshard_per_microbatch and sched in SPLIT_BACKWARD:
+        raise ConfigError(f"parallelism.fsdp_reshard_per_microbatch = true: {sched} splits the backward, whose "
+                          f"weight-gradient pass needs the weights still gathered; set it false")
     return v, counts
 
 

@@ -106,8 +106,9 @@ def fsdp_gathers(schedule: str, pp: int, m: int, v: int | None, per_microbatch: 
     stage gathers once per step; with `per_microbatch` each block reshards after every forward
     and the next forward or backward of the stage gathers it again (the root never reshards
     after forward). The multi-stage schedules also unshard up to three stages ahead and reshard
-    the ones they leave: torch's own lowering (`_add_unshard_reshard`) is replayed for them."""
-    if schedule in ("GPipe", "1F1B"):
+    the ones they leave: torch's own lowering (`_add_unshard_reshard`) is replayed for them.
+    `v`: stages per rank, None for the single-stage schedules (as torch_actions)."""
+    if v is None:
         rows = [[(k, s) for k, s, _ in row] for row in torch_actions(schedule, pp, m, None)]
     else:
         names = {"UNSHARD": "U", "RESHARD": "R", "FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I",

@@ -215,6 +215,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     vocab = layout.args.vocab_size
     per_stage, p2p = {}, []
+    per_microbatch = reshard_after_forward(cfg, dims)  # FSDP regathers each stage per microbatch
     # DeepSeek-V3's MTP: every stage takes the tokens ahead; the embeddings of them travel with
     # the hidden state (models/deepseek_v3.py), (1 + depth) x its width between stages
     depth = getattr(layout.args, "mtp_depth", 0)
@@ -231,7 +232,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         last = loss_function(cfg, built) if sid == n_stages - 1 else None
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
-        fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, reshard_after_forward(cfg, dims))
+        fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -254,7 +255,8 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         opt.step()
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
-    actions = torch_actions(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None)
+    v_multi = v if sched not in pl.SINGLE else None
+    actions = torch_actions(sched, dims.pp, n_micro, v_multi)
     flops, ops, stage_comm = 0, [], {}
     for s, st in per_stage.items():
         # TP / CP / EP collectives run for every microbatch; FSDP's reduce once a step.
@@ -265,8 +267,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
             add_comm(stage_comm[s], key, c, 1)
         flops += st["flops"] * n_micro
         ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]] + st["reduce_ops"]
-    gathers = fsdp_gathers(sched, dims.pp, n_micro, v if sched not in pl.SINGLE else None,
-                           reshard_after_forward(cfg, dims))
+    gathers = fsdp_gathers(sched, dims.pp, n_micro, v_multi, per_microbatch)
     comm = {}
     for kind, nbytes in p2p:
         add_comm(comm, f"pp/{kind}", {"count": 1, "bytes": nbytes, "wire_bytes": nbytes if kind == "send" else 0.0,
