@@ -231,7 +231,7 @@ class Comm:
 class Plan:
     world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
                                         "degrees, which then must not use data_parallel_shard_degree = -1")
-    gpu: str = _f("h100", choices=["h100", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
+    gpu: str = _f("h100", choices=["h100", "h100-500w", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""python -m torchmeg.plan --config RECIPE [--world N] [--gpu h100|h200|b200|a100] [--search]
+"""python -m torchmeg.plan --config RECIPE [--world N] [--gpu h100|h100-500w|h200|b200|a100] [--search]
                           [--json FILE] [--section.key=value ...]
 
 Plans a recipe at its real world size on this machine: no GPU, no peers. One training step runs
@@ -34,7 +34,7 @@ def parse(argv):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--world", type=int, default=None, help="world size (default: what the recipe's layout implies)")
-    ap.add_argument("--gpu", default=None, help="h100 | h200 | b200 | a100 (default: the recipe's plan.gpu, else h100)")
+    ap.add_argument("--gpu", default=None, help="h100 | h100-500w | h200 | b200 | a100 (default: the recipe's plan.gpu, else h100)")
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="ranks per node (default: the GPU's usual node, 8): groups inside a node use its fast links")
     ap.add_argument("--search", action="store_true", help="rank other layouts of the same world that fit")
@@ -74,8 +74,10 @@ def render(p: dict) -> str:
                      + (f", bubble {r['bubble']:.3f} ({pipe['schedule']}, {pipe['microbatches']} microbatches)"
                         if pipe else "")
                      + f" -> step {r['step_s']:.3f} s")
-    lines += ["", f"predicted: step {p['step_s']:.3f} s, {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
-              f"MFU {100 * p['mfu']:.1f}% (roofline: an upper bound), "
+    lines += ["", f"predicted: step {p['predicted_step_s']:.3f} s, {p['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s "
+              f"per GPU, MFU {100 * p['predicted_mfu']:.1f}% (measured kernel efficiencies: torchmeg.plan.efficiency)",
+              f"upper bound: step {p['step_s']:.3f} s, {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+              f"MFU {100 * p['mfu']:.1f}% (roofline at data-sheet peaks), "
               f"{'fits' if p['fits'] else 'DOES NOT FIT'} in {p['gpu_memory_bytes'] / 1e9:.0f} GB "
               f"(peak x 1.1 + 2 GiB runtime)   [dry run {p['dry_run_s']:.0f} s]"]
     return "\n".join(lines)

@@ -81,8 +81,21 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None) -> Measur
     cost = StepCost(labels)
     if microbatches is not None:
         microbatches.cost, microbatches.memory = cost, mt
-    with mt, cost:
-        run()
+    own = vars(optimizer).get("step")
+    update = optimizer.step
+
+    def eager_update(*a, **k):  # the trainer compiles model and loss, never the update
+        with cost.eager():
+            return update(*a, **k)
+    optimizer.step = eager_update
+    try:
+        with mt, cost:
+            run()
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
     mem = peak_bytes(mt)
     if microbatches is not None and microbatches.more:
         (held1, c1), (held2, c2) = microbatches.marks[1:3]
@@ -109,6 +122,8 @@ def dry_run(cfg, layout: Layout, isolate: bool = False) -> list[dict]:
     (torch 2.13), so one process cannot be two ranks in a row."""
     dims = layout.dims
     cfg.compile.enable = False
+    # A plan is for a GPU with float8 matmuls: count torch._scaled_mm, not the CPU's emulation of it.
+    cfg.float8.emulate = False
     _JOB.update(cfg=cfg, layout=layout)
     if dims.pp == 1:
         if not isolate:
@@ -266,7 +281,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         for key, c in st["reduce"].items():
             add_comm(stage_comm[s], key, c, 1)
         flops += st["flops"] * n_micro
-        ops += [(f * n_micro, b * n_micro, dt) for f, b, dt in st["ops"]] + st["reduce_ops"]
+        ops += [(f * n_micro, b * n_micro, dt, k, fb * n_micro) for f, b, dt, k, fb in st["ops"]] + st["reduce_ops"]
     gathers = fsdp_gathers(sched, dims.pp, n_micro, v_multi, per_microbatch)
     comm = {}
     for kind, nbytes in p2p:

@@ -7,12 +7,18 @@ sparsity), per GPU of an 8-GPU HGX/DGX node.
   H200 SXM 141GB  NVIDIA H200 datasheet: same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
   B200 (HGX)      NVIDIA HGX B200 datasheet: 2.25 PFLOPS bf16, 4.5 fp8 per GPU, 180 GB HBM3e at 7.7 TB/s
                   (DGX B200: 1440 GB / 8), NVLink 5 1.8 TB/s (900 each way); ConnectX-7 400 Gb/s per GPU.
+  H100 96GB 500W  The H100s torchtitan's published runs used (Meta's Grand Teton: "96GB HBM2e with 2.4
+                  TB/sec", "the default 500W power limit"; torchtitan benchmarks/llama3_h100_202412):
+                  "the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact
+                  value" -- taken as the middle of H100 NVL's 835 / 1671 and SXM's 989 / 1979 TFLOPS.
   A100 SXM4 80GB  NVIDIA A100 datasheet: 312 TFLOPS bf16 (no fp8), 80 GB HBM2e at 2.04 TB/s, NVLink 3
                   600 GB/s (300 each way); DGX A100: 8x ConnectX-6 200 Gb/s = 25 GB/s per GPU.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from torchmeg.plan.efficiency import EFFICIENCY, Efficiency
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,7 @@ class GPU:
     nvlink_bw: float       # bytes/s each way per GPU, inside a node
     network_bw: float      # bytes/s each way per GPU, between nodes
     gpus_per_node: int = 8
+    efficiency: Efficiency = EFFICIENCY["h100"]  # measured fraction of each peak (torchmeg.plan.efficiency)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for the recipe's compute: bf16 (also fp8's master path), fp32 as TF32 = half."""
@@ -35,7 +42,11 @@ class GPU:
 GB = 1e9
 GPUS = {
     "h100": GPU("H100 SXM5 80GB", 989.4e12, 1978.9e12, 80 * GB, 3.35e12, 450 * GB, 50 * GB),
-    "h200": GPU("H200 SXM 141GB", 989.4e12, 1978.9e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB),
-    "b200": GPU("B200 (HGX) 180GB", 2250e12, 4500e12, 180 * GB, 7.7e12, 900 * GB, 50 * GB),
-    "a100": GPU("A100 SXM4 80GB", 312e12, 0.0, 80 * GB, 2.04e12, 300 * GB, 25 * GB),
+    "h100-500w": GPU("H100 SXM 96GB HBM2e 500W", (835.5e12 + 989.4e12) / 2, (1671e12 + 1978.9e12) / 2, 96 * GB,
+                     2.4e12, 450 * GB, 50 * GB, efficiency=EFFICIENCY["h100-500w"]),
+    "h200": GPU("H200 SXM 141GB", 989.4e12, 1978.9e12, 141 * GB, 4.8e12, 450 * GB, 50 * GB,
+                efficiency=EFFICIENCY["h200"]),
+    "b200": GPU("B200 (HGX) 180GB", 2250e12, 4500e12, 180 * GB, 7.7e12, 900 * GB, 50 * GB,
+                efficiency=EFFICIENCY["b200"]),
+    "a100": GPU("A100 SXM4 80GB", 312e12, 0.0, 80 * GB, 2.04e12, 300 * GB, 25 * GB, efficiency=EFFICIENCY["a100"]),
 }

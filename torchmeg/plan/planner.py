@@ -65,6 +65,7 @@ def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: i
             "activation_bytes": activation_bytes(mem), "peak_bytes": mem.get("Total", 0),
             "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"), **pred})
     step = max(x["step_s"] for x in rows)
+    pred = max(x["predicted_step_s"] for x in rows)
     return {"recipe": cfg.job.name, "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": count_params(whole),
             "active_params": active_params(whole), "world": world, "layout": dims.describe(), "gpu": gpu.name,
             "gpu_memory_bytes": gpu.hbm_bytes, "precision": cfg.training.mixed_precision,
@@ -72,4 +73,7 @@ def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: i
             "global_batch_tokens": global_tokens, "model_flops_per_rank": model_flops,
             "step_s": step, "tokens_per_s_per_gpu": global_tokens / world / step,
             "mfu": min(x["mfu"] for x in rows), "fits": all(x["fits"] for x in rows),
+            "predicted_step_s": pred, "predicted_tokens_per_s_per_gpu": global_tokens / world / pred,
+            "predicted_mfu": min(x["predicted_mfu"] for x in rows), "compiled": cfg.compile.enable,
+            "float8": cfg.float8.enable,
             "dry_run_s": wall, "ranks": rows}

@@ -1,9 +1,14 @@
-"""From one measured step (torchmeg.plan.dry_run) to a predicted step time, MFU and fit on a GPU.
+"""From one measured step (torchmeg.plan.dry_run) to a step time, MFU and fit on a GPU, twice:
 
-Compute: a roofline per op — each op takes max(FLOPs / peak for its dtype, bytes read+written /
-HBM bandwidth) — summed over every op the rank runs (recompute included). This is a floor: real
-kernels reach 60-80% of peak on large bf16 matmuls and launch gaps are not modelled, so read the
-MFU as an upper bound.
+upper bound  a roofline per op: each op takes max(FLOPs / peak for its dtype, bytes read+written /
+             HBM bandwidth), summed over every op the rank runs (recompute included), links at
+             their data-sheet rate. No GPU runs that fast: read its MFU as a ceiling.
+predicted    the same sum with each op class at the fraction of peak it is measured to reach
+             (torchmeg.plan.efficiency: matmuls at MAMF, attention at FlashAttention-2's, memory-bound
+             ops at a device copy's bandwidth, links at NCCL's), causal attention at half its FLOPs,
+             and under torch.compile the memory-bound ops fused (torchmeg.plan.op_fusion): each
+             moves only what crosses its fused group's boundary; then one end-to-end factor for
+             what kernel benchmarks do not show, measured on a published run (END_TO_END).
 Communication: each collective's bytes on the wire per rank (ring algorithms) over the link its
 group spans: NVLink when all its ranks sit in one node (ranks are numbered node by node, tp
 innermost), the network otherwise. FSDP's all-gathers / reduce-scatters and the context-parallel
@@ -18,6 +23,7 @@ buffers and workspace; the plan fits when that is within the GPU's memory.
 """
 from __future__ import annotations
 
+from torchmeg.plan.efficiency import END_TO_END
 from torchmeg.plan.gpus import GPU
 
 OVERLAPPED = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "cp", "efsdp")
@@ -25,13 +31,14 @@ ALLOCATOR_SLACK = 0.10
 RUNTIME_BYTES = 2 * 2 ** 30
 
 
-def compute_seconds(ops, gpu: GPU, float8: bool) -> tuple[float, float, float]:
-    """(roofline time, of which compute-bound, of which memory-bound)."""
+def compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool = False) -> tuple[float, float, float]:
+    """(roofline time, of which compute-bound, of which memory-bound); compiled: fused bytes."""
     total = flop_bound = mem_bound = 0.0
-    for flops, nbytes, dtype in ops:
+    for flops, nbytes, dtype, kind, fused in ops:
+        if compiled and kind == "memory":
+            nbytes = fused
         if flops:
-            kind = "fp8" if (float8 and dtype and "float8" in dtype) else ("fp32" if dtype == "float32" else "bf16")
-            tc = flops / gpu.peak(kind)
+            tc = flops / gpu.peak(_kind(dtype, float8))
         else:
             tc = 0.0
         tm = nbytes / gpu.hbm_bw
@@ -43,7 +50,38 @@ def compute_seconds(ops, gpu: GPU, float8: bool) -> tuple[float, float, float]:
     return total, flop_bound, mem_bound
 
 
-def comm_seconds(comm: dict, dims, gpu: GPU) -> dict[str, float]:
+def predicted_compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool) -> dict[str, float]:
+    """Seconds per op class at the measured efficiencies (see the module doc)."""
+    eff = gpu.efficiency
+    bw = gpu.hbm_bw * eff.memory
+    out = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
+    for flops, nbytes, dtype, kind, fused in ops:
+        if kind == "memory":
+            out["memory"] += (fused if compiled else nbytes) / bw
+        elif kind.startswith("attention"):
+            work = flops / 2 if kind == "attention_causal" else flops
+            out["attention"] += max(work / (gpu.peak("bf16") * eff.attention), nbytes / bw)
+        else:
+            k = _kind(dtype, float8)
+            if k == "fp8" and not gpu.fp8_flops:
+                k = "bf16"
+            out["matmul"] += max(flops / (gpu.peak(k) * eff.matmul(k)), nbytes / bw)
+    return out
+
+
+def _kind(dtype, float8: bool) -> str:
+    return "fp8" if (float8 and dtype and "float8" in dtype) else ("fp32" if dtype == "float32" else "bf16")
+
+
+def _step(t_compute: float, comm: dict, bubble: float) -> tuple[float, float, float]:
+    """(step, exposed, overlapped): TP / EP / PP traffic on the critical path, FSDP's and the CP ring's
+    hidden under compute up to its length; the pipeline bubble stretches the busy time."""
+    overlapped = sum(t for k, t in comm.items() if k.split("/")[0] in OVERLAPPED)
+    exposed = sum(t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED)
+    return (t_compute + exposed) * (1 + bubble) + max(0.0, overlapped - t_compute), exposed, overlapped
+
+
+def comm_seconds(comm: dict, dims, gpu: GPU, efficiency: float = 1.0) -> dict[str, float]:
     """'mesh dim/collective' -> seconds on the wire (fast links inside a node, the network across:
     ParallelDims.group_within_node, the rule a run's header uses too)."""
     strides = dims.strides()
@@ -52,20 +90,22 @@ def comm_seconds(comm: dict, dims, gpu: GPU) -> dict[str, float]:
         dim = key.split("/")[0]
         # (pipeline p2p: a pair of neighbouring stages, world / pp ranks apart)
         intra = dims.group_within_node(2 if dim == "pp" else c["ranks"], strides.get(dim, 1), gpu.gpus_per_node)
-        out[key] = c["wire_bytes"] / (gpu.nvlink_bw if intra else gpu.network_bw)
+        out[key] = c["wire_bytes"] / ((gpu.nvlink_bw if intra else gpu.network_bw) * efficiency)
     return out
 
 
 def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dict:
     """Step time, MFU and memory fit for one planned rank."""
     float8 = cfg.float8.enable
-    t_compute, t_flop, t_mem = compute_seconds(rank["ops"], gpu, float8)
+    compiled = cfg.compile.enable and "model" in cfg.compile.components
+    t_compute, t_flop, t_mem = compute_seconds(rank["ops"], gpu, float8, compiled)
     comm = comm_seconds(rank["comm"], dims, gpu)
-    overlapped = sum(t for k, t in comm.items() if k.split("/")[0] in OVERLAPPED)
-    exposed = sum(t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED)
-    bubble = rank.get("pipeline", {}).get("bubble", 0.0)
-    busy = t_compute + exposed
-    step = busy * (1 + bubble) + max(0.0, overlapped - t_compute)
+    bubble = (rank.get("pipeline") or {}).get("bubble", 0.0)
+    step, exposed, overlapped = _step(t_compute, comm, bubble)
+    by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
+    pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
+    pred_step, pred_exposed, _ = _step(sum(by_class.values()), pred_comm, bubble)
+    pred_step /= END_TO_END
     dtype = "bf16" if cfg.training.mixed_precision == "bf16" else "fp32"
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]
@@ -73,4 +113,6 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     return {"step_s": step, "compute_s": t_compute, "compute_flop_bound_s": t_flop, "compute_memory_bound_s": t_mem,
             "comm_exposed_s": exposed, "comm_overlapped_s": overlapped, "bubble": bubble,
             "comm_s": comm, "mfu": model_flops_per_rank / (step * peak) if step else 0.0,
+            "predicted_step_s": pred_step, "predicted_compute_s": by_class, "predicted_comm_exposed_s": pred_exposed,
+            "predicted_mfu": model_flops_per_rank / (pred_step * peak) if pred_step else 0.0,
             "peak_tensor_bytes": mem, "need_bytes": need, "fits": need <= gpu.hbm_bytes}

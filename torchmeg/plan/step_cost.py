@@ -9,17 +9,19 @@ mesh dimension whose process group carried it.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.distributed.pipelining import schedules
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d_collective_ops
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry
+
+from torchmeg.plan.op_fusion import Traffic, fused_bytes, traffic
 
 aten = torch.ops.aten
 # CPU flash attention takes the CUDA flash kernel's leading arguments (q, k, v / grad_out, q, k, v,
@@ -107,12 +109,25 @@ def add_comm(comm: dict, key, c: dict, times: int) -> None:
         d[k] += c[k] * times
 
 
+# Library kernels (never fused by the compiler) and FSDP's eager copy-in / copy-out around its
+# collectives; everything else that moves data is a pointwise op or reduction Inductor can fuse.
+_ATTENTION = "scaled_dot_product"
+_UNFUSABLE = {"_chunk_cat", "split_with_sizes_copy", "_foreach_copy_"}
+
+
 class StepCost(CommDebugMode):
+    """ops: one (flops, bytes, dtype, kind, fused bytes) per data-moving op: `dtype` the first input's
+    for ops with FLOPs, `kind` one of matmul / attention / attention_causal / memory, `fused bytes`
+    what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion)."""
+
     def __init__(self, group_labels: dict[str, str] | None = None):
         super().__init__()
         self.labels = group_labels or {}
-        self.ops = []                       # (flops, bytes, matmul dtype or None) per compute op
+        self.ops = []
         self.op_names = []
+        self._traffic: list[Traffic] = []
+        self._eager = False        # inside a region the compiler does not see (the optimizer's update)
+        self._boundary = False     # a collective ran since the last op: fusion cannot cross it
         self.collectives = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": 1})
 
     def __enter__(self):
@@ -133,6 +148,19 @@ class StepCost(CommDebugMode):
     def __exit__(self, *args):
         dist.batch_isend_irecv, schedules._batch_p2p = self._saved_p2p
         TorchDispatchMode.__exit__(self, *args)
+        done = len(self.ops) - len(self._traffic)
+        fused = fused_bytes(self._traffic)
+        self.ops[done:] = [(*op[:4], fb) for op, fb in zip(self.ops[done:], fused)]
+        self._traffic = []
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Ops run here stay unfused under torch.compile (the trainer compiles model and loss only)."""
+        before, self._eager = self._eager, True
+        try:
+            yield
+        finally:
+            self._eager = before
 
     def _count_p2p(self, p2p_ops, original, *rest):
         if getattr(self, "_in_p2p", False):  # _batch_p2p passing a mixed batch on: counted once
@@ -156,7 +184,8 @@ class StepCost(CommDebugMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # As CommDebugMode: a DTensor op returns NotImplemented, so DTensor runs it as local ops
         # and collectives, which come back through here; those are what a rank really runs.
-        if any(t is DTensor for t in types):
+        # (and so do other wrapper subclasses: torchao's float8 tensors run their _scaled_mm here)
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -187,6 +216,7 @@ class StepCost(CommDebugMode):
         c["bytes"] += buf
         c["wire_bytes"] += buf * _WIRE.get(kind, lambda n: 1.0)(size)
         c["ranks"] = size
+        self._boundary = True
 
     def _compute(self, func, args, kwargs, out) -> None:
         packet = _ALIASES.get(func._overloadpacket, func._overloadpacket)
@@ -199,7 +229,16 @@ class StepCost(CommDebugMode):
         if flops:
             first = next(_tensors(list(args)), None)
             dtype = str(first.dtype).replace("torch.", "") if first is not None else None
-        self.ops.append((flops, nbytes, dtype))
+        name = packet.__name__
+        if _ATTENTION in name:
+            kind = "attention_causal" if _argument(func, args, kwargs, "is_causal") else "attention"
+        else:
+            kind = "matmul" if flops else "memory"
+        fusable = kind == "memory" and not self._eager and func.namespace == "aten" and name not in _UNFUSABLE
+        tr = traffic(args, out, fusable, _tensors)
+        tr.starts_group, self._boundary = self._boundary, False
+        self._traffic.append(tr)
+        self.ops.append((flops, nbytes, dtype, kind, nbytes))
         self.op_names.append(str(packet))
 
     def mark(self) -> tuple:
@@ -218,13 +257,13 @@ class StepCost(CommDebugMode):
     # ---- summaries ----
     @property
     def flops(self) -> int:
-        return sum(f for f, _, _ in self.ops)
+        return sum(op[0] for op in self.ops)
 
     def flops_by_op(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
-        for name, (f, _, _) in zip(self.op_names, self.ops):
-            if f:
-                out[name] += f
+        for name, op in zip(self.op_names, self.ops):
+            if op[0]:
+                out[name] += op[0]
         return dict(out)
 
     def comm_table(self) -> dict[str, dict]:
@@ -235,6 +274,14 @@ class StepCost(CommDebugMode):
 # Ops that allocate or re-describe storage without reading or writing it.
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
                "set_", "resize_", "resize_storage_bytes_", "detach", "alias"}
+
+
+def _argument(func, args, kwargs, name: str):
+    """An op's argument by its schema name (positional or keyword); None when absent."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, a.default_value)
+    return None
 
 
 def _moves_data(func, out) -> bool:
