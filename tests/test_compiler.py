@@ -72,7 +72,8 @@ def assert_compiled(stdout: str) -> None:
     assert blocks >= 1 and dynamo >= blocks and inductor >= 2, m.group(0)
 
 
-@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", 2)])
+@pytest.mark.parametrize("mode, option", [("full", "op"), ("selective", "op"), ("selective", "op_half"),
+                                          ("selective", 2)])
 def test_recompute_gradients_equal_none(mode, option):
     ref, _ = _grads("none")
     got, model = _grads(mode, option)
@@ -81,6 +82,40 @@ def test_recompute_gradients_equal_none(mode, option):
         assert_tensor_close(ref[k], got[k], FP32_PARITY, k)
     wrapped = [n for n, _ in model.named_modules() if n.endswith("_checkpoint_wrapped_module")]
     assert len(wrapped) == (2 if option == 2 else 4)
+
+
+def test_op_half_recomputes_every_other_matmul():
+    """selective op saves every matmul's output: backward runs no forward matmul again. op_half
+    recomputes every other one: half of the blocks' forward matmuls run again in backward (the
+    output head is not in a block)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMM(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountMM.n += func is torch.ops.aten.mm.default
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for option in ("op", "op_half"):
+        cfg = load_config(None, ["--model.n_layers=4", "--activation_checkpoint.mode=selective",
+                                 f"--activation_checkpoint.selective_option={option}"])
+        m = build_model(cfg, 257, "cpu")
+        init_weights(m, seed=0)
+        apply_recompute(m, cfg.activation_checkpoint)
+        tokens = torch.randint(0, 257, (2, 64), generator=torch.Generator().manual_seed(0))
+        CountMM.n = 0
+        with CountMM():
+            loss = torch.nn.functional.cross_entropy(m(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+            fwd = CountMM.n
+            loss.backward()
+        counts[option] = (fwd, CountMM.n - fwd)
+    (fwd, bwd), (fwd2, bwd2) = counts["op"], counts["op_half"]
+    per_block = (fwd - 1) // 4  # 7 projections a block; the head is the one left
+    assert fwd == fwd2 == 4 * per_block + 1 and per_block == 7
+    assert bwd == 2 * fwd  # each matmul's input and weight gradients, nothing recomputed
+    assert bwd2 - bwd == 4 * (per_block // 2)  # matmuls 2, 4, 6 of each block run again
 
 
 @pytest.mark.slow

@@ -50,10 +50,9 @@ def _check_special(cfg: Config) -> None:
     if t.global_batch_size == 0:
         raise ConfigError("training.global_batch_size = 0: use -1 (= local_batch_size x dp) or a positive multiple")
     sel = cfg.activation_checkpoint.selective_option
-    if isinstance(sel, str) and sel != "op":
-        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
-    if isinstance(sel, int) and sel < 1:
-        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\" or an integer N >= 1")
+    if (isinstance(sel, str) and sel not in ("op", "op_half")) or (isinstance(sel, int) and sel < 1):
+        raise ConfigError(f"activation_checkpoint.selective_option = {sel!r}: must be \"op\", \"op_half\" or an "
+                          f"integer N >= 1")
     em = cfg.float8.emulate
     if isinstance(em, str) and em != "auto":
         raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")

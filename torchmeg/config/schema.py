@@ -149,7 +149,7 @@ class Parallelism:
 @dataclass
 class ActivationCheckpoint:
     mode: str = _f("none", choices=["none", "full", "selective"])
-    selective_option: Union[str, int] = _f("op")
+    selective_option: Union[str, int] = _f("op", help="op | op_half (every other matmul recomputed) | N")
 
 
 @dataclass

@@ -3,6 +3,8 @@
 full          every block's activations are recomputed in backward
 selective N   every Nth block is recomputed in full
 selective op  per-op: matmul and attention outputs are saved, cheap pointwise ops recomputed
+selective op_half  the same, but every other matmul output recomputed too (torchtitan's per-op
+              policy): less memory for one extra forward matmul in two
 """
 from __future__ import annotations
 
@@ -35,6 +37,21 @@ def _op_policy(save_ops, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _half_mm_contexts(save_ops):
+    """op_half's context_fn: a fresh matmul count per checkpointed call, kept apart for the forward
+    and its recompute so both make the same choice for the same matmul."""
+    count = {False: 0, True: 0}
+    mm = torch.ops.aten.mm.default
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is mm:
+            count[ctx.is_recompute] += 1
+            if count[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _op_policy(save_ops, ctx, op)
+    return create_selective_checkpoint_contexts(policy)
+
+
 @contextlib.contextmanager
 def _stats_off(modules: list[nn.Module]):
     """While backward replays a block's forward, modules that record statistics in their forward
@@ -60,8 +77,9 @@ def _contexts(selective_ctx, recorders: list[nn.Module]):
     return fwd, _both(rec, _stats_off(recorders))
 
 
-def _wrap(block: nn.Module, selective_op: bool) -> nn.Module:
-    sac = partial(create_selective_checkpoint_contexts, partial(_op_policy, _save_ops())) if selective_op else None
+def _wrap(block: nn.Module, selective_op: str | None) -> nn.Module:
+    sac = {None: None, "op": partial(create_selective_checkpoint_contexts, partial(_op_policy, _save_ops())),
+           "op_half": partial(_half_mm_contexts, _save_ops())}[selective_op]
     recorders = [m for m in block.modules() if hasattr(m, "record_stats")]
     if recorders:  # a custom context only where needed: dense blocks keep the plain (compile-traceable) path
         return checkpoint_wrapper(block, context_fn=partial(_contexts, sac, recorders), preserve_rng_state=False)
@@ -78,7 +96,8 @@ def apply_recompute(model: nn.Module, ac_cfg, blocks_path: str = "") -> int:
                          f"ModuleList / ModuleDict / Sequential of layers in the model); name them with "
                          f"model.blocks / parallelize(blocks=...)")
     every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
-    selective_op = ac_cfg.mode == "selective" and ac_cfg.selective_option == "op"
+    selective_op = ac_cfg.selective_option if ac_cfg.mode == "selective" and ac_cfg.selective_option in (
+        "op", "op_half") else None
     wrapped = 0
     for i, (name, block) in enumerate(list(layers.named_children())):
         # Count by the model's own layer number where it has one, so a pipeline stage holding

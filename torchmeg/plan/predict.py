@@ -7,8 +7,8 @@ predicted    the same sum with each op class at the fraction of peak it is measu
              (torchmeg.plan.efficiency: matmuls at MAMF, attention at FlashAttention-2's, memory-bound
              ops at a device copy's bandwidth, links at NCCL's), causal attention at half its FLOPs,
              and under torch.compile the memory-bound ops fused (torchmeg.plan.op_fusion): each
-             moves only what crosses its fused group's boundary; then one end-to-end factor for
-             what kernel benchmarks do not show, measured on a published run (END_TO_END).
+             moves only what crosses its fused group's boundary; then the compute time over one end-to-end factor
+             for what kernel benchmarks do not show, measured on a published run (END_TO_END).
 Communication: each collective's bytes on the wire per rank (ring algorithms) over the link its
 group spans: NVLink when all its ranks sit in one node (ranks are numbered node by node, tp
 innermost), the network otherwise. FSDP's all-gathers / reduce-scatters and the context-parallel
@@ -104,8 +104,8 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     step, exposed, overlapped = _step(t_compute, comm, bubble)
     by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
     pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
+    by_class = {k: t / END_TO_END for k, t in by_class.items()}
     pred_step, pred_exposed, _ = _step(sum(by_class.values()), pred_comm, bubble)
-    pred_step /= END_TO_END
     dtype = "bf16" if cfg.training.mixed_precision == "bf16" else "fp32"
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]
