@@ -7,7 +7,8 @@ Rows: torchtitan's Llama 3.1 8B, FSDP 8, seq 8192, local batch 2, selective (per
 on 8 H100 96GB at 500 W (torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1; arXiv
 2410.06511), eager / torch.compile / compile + float8; and Trainy's same model with compile + float8
 on 32 H200 (torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md). Each row is planned
-from recipes/llama3_8b.toml with the run's settings; nothing here is fitted to these numbers.
+from recipes/llama3_8b.toml with the run's settings. The Trainy row is the one the end-to-end factor
+was measured on (torchmeg.plan.efficiency.END_TO_END); the torchtitan rows are held out.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """What fraction of a GPU's data-sheet peak each class of kernel reaches, from public measurements.
 
 The planner's "predicted" step time divides each op's work by peak x efficiency (torchmeg.plan.predict);
-the "upper bound" keeps efficiency 1. None of these numbers is fitted to a training run: each is one
-kernel-level measurement, and the prediction is then checked against published end-to-end runs
-(tests/test_plan.py, torchtitan's Llama 3.1 8B rows).
+the "upper bound" keeps efficiency 1. Each per-class number is one kernel-level measurement; the one
+end-to-end factor (END_TO_END, below) is measured on one published training run, and the prediction
+is checked against three others (tests/test_plan_predict.py, torchtitan's Llama 3.1 8B rows).
 
 matmul bf16 / fp8   Maximum Achievable Matmul FLOPS (MAMF, mean of 100 runs at the best shape found),
                     S. Bekman, "Machine Learning Engineering", compute/accelerator/README.md

@@ -8,7 +8,9 @@ and each op's bytes become its share of the group's boundary traffic (reads of t
 outside the group, each view once, plus writes that an op outside the group reads, or nobody does).
 
 Not fused: matmuls and attention (library kernels), collectives, FSDP's own copy-in / copy-out ops
-and what runs outside the compiled regions (the optimizer's update and the grad-norm clip).
+and the optimizer's update, which the trainer never compiles (StepCost.eager, set around it by
+dry_run.track_step). The grad norm is left fusable: its per-gradient norms read each gradient once
+either way.
 """
 from __future__ import annotations
 

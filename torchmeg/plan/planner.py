@@ -74,6 +74,6 @@ def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: i
             "step_s": step, "tokens_per_s_per_gpu": global_tokens / world / step,
             "mfu": min(x["mfu"] for x in rows), "fits": all(x["fits"] for x in rows),
             "predicted_step_s": pred, "predicted_tokens_per_s_per_gpu": global_tokens / world / pred,
-            "predicted_mfu": min(x["predicted_mfu"] for x in rows), "compiled": cfg.compile.enable,
+            "predicted_mfu": min(x["predicted_mfu"] for x in rows), "compiled": rows[0]["compiled"],
             "float8": cfg.float8.enable,
             "dry_run_s": wall, "ranks": rows}

@@ -114,5 +114,5 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
             "comm_exposed_s": exposed, "comm_overlapped_s": overlapped, "bubble": bubble,
             "comm_s": comm, "mfu": model_flops_per_rank / (step * peak) if step else 0.0,
             "predicted_step_s": pred_step, "predicted_compute_s": by_class, "predicted_comm_exposed_s": pred_exposed,
-            "predicted_mfu": model_flops_per_rank / (pred_step * peak) if pred_step else 0.0,
+            "predicted_mfu": model_flops_per_rank / (pred_step * peak) if pred_step else 0.0, "compiled": compiled,
             "peak_tensor_bytes": mem, "need_bytes": need, "fits": need <= gpu.hbm_bytes}
