@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchmeg
-from torchmeg.config.schema import Config
 
 
 class Block(nn.Module):
@@ -58,7 +57,7 @@ def main():
     model = TinyLM()
     reference = copy.deepcopy(model)
 
-    cfg = Config()
+    cfg = torchmeg.Config()
     cfg.parallelism.tensor_parallel_degree = a.tp
     cfg.parallelism.sequence_parallel = False   # the plan has no norm roles for sequence sharding
     cfg.parallelism.loss_parallel = False

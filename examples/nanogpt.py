@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchmeg
-from torchmeg.config.schema import Config
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,7 +83,7 @@ def main():
     model = GPT()
     reference = copy.deepcopy(model)
 
-    cfg = Config()
+    cfg = torchmeg.Config()
     cfg.compile.enable = not a.no_compile
     cfg.activation_checkpoint.mode = "full"
     dims = torchmeg.ParallelDims.from_config(cfg, dist.get_world_size())  # all ranks: FSDP

@@ -267,7 +267,9 @@ def test_no_module_imports_a_facade_name():
 
 
 def test_package_inits_import_nothing_at_module_level():
-    bad = _offenders(lambda i: i.src in PACKAGES and not i.function_level)
+    # but the root's own helper (torchmeg._facade): importing a subpackage has run torchmeg/__init__ already
+    bad = _offenders(lambda i: i.src in PACKAGES and not i.function_level and not (i.target == "torchmeg"
+                                                                                  and not i.lazy_name))
     assert not bad, bad
 
 

@@ -6,6 +6,7 @@ validate, Layout, build_model, register, ModelSpec, init_weights.
 """
 __version__ = "0.1.0"
 
+import importlib as _importlib
 import logging as _logging
 
 
@@ -23,24 +24,32 @@ class _TorchaoEnumNotice(_logging.Filter):
 _logging.getLogger("torch.utils._pytree").addFilter(_TorchaoEnumNotice())
 
 
-def __getattr__(name):
-    # Each import below is lazy by design (see the docstring).
-    if name == "parallelize":
-        from torchmeg.parallel.parallelize import parallelize
-        return parallelize
-    if name == "ParallelDims":
-        from torchmeg.parallel.dims import ParallelDims
-        return ParallelDims
-    if name in ("load_config", "Config", "ConfigError"):
-        from torchmeg.config import schema as config
-        return getattr(config, name)
-    if name == "validate":
-        from torchmeg.train.validate import validate
-        return validate
-    if name == "Layout":
-        from torchmeg.config.layout import Layout
-        return Layout
-    if name in ("build_model", "register", "ModelSpec", "init_weights"):
-        from torchmeg import models
-        return getattr(models, name)
-    raise AttributeError(name)
+def _facade(package: str, public: dict[str, str]):
+    """A package's PEP 562 `__getattr__`: a public name is imported from the module `public` names,
+    by module path (importlib), on first use. Never by a from-import of the package itself: `from
+    pkg import sub` first asks pkg for the attribute `sub`, which would call this again, forever,
+    while `sub` is not loaded yet (`torchmeg.Config()` in a fresh interpreter was a RecursionError).
+    Anything else is an AttributeError naming it."""
+    def __getattr__(name: str):
+        if name not in public:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(_importlib.import_module(public[name]), name)
+    return __getattr__
+
+
+# Each public name and the module it lives in.
+_PUBLIC = {
+    "parallelize": "torchmeg.parallel.parallelize",
+    "ParallelDims": "torchmeg.parallel.dims",
+    "Config": "torchmeg.config.schema",
+    "load_config": "torchmeg.config.schema",
+    "ConfigError": "torchmeg.config.errors",
+    "validate": "torchmeg.train.validate",
+    "Layout": "torchmeg.config.layout",
+    "build_model": "torchmeg.models.args",
+    "register": "torchmeg.models.spec",
+    "ModelSpec": "torchmeg.models.spec",
+    "init_weights": "torchmeg.models.init",
+}
+__all__ = sorted(_PUBLIC)
+__getattr__ = _facade(__name__, _PUBLIC)

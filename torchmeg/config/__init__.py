@@ -8,11 +8,11 @@ use in schema.py (PEP 562).
 """
 from __future__ import annotations
 
+from torchmeg import _facade
 
-def __getattr__(name: str):
-    # lazy by design (see the docstring): the schema's public names
-    from torchmeg.config import schema
-    try:
-        return getattr(schema, name)
-    except AttributeError:
-        raise AttributeError(f"module 'torchmeg.config' has no attribute {name!r}") from None
+# Each public name and the module it lives in, imported on first use (PEP 562; see torchmeg._facade).
+_PUBLIC = {**dict.fromkeys(('Config', 'load_config', 'coerce', 'split_overrides'), 'torchmeg.config.schema'),
+           'ConfigError': 'torchmeg.config.errors', 'Layout': 'torchmeg.config.layout'}
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = _facade(__name__, _PUBLIC)

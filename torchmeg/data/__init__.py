@@ -5,13 +5,11 @@ Public names resolve on first use (PEP 562), so importing one submodule loads on
 """
 from __future__ import annotations
 
+from torchmeg import _facade
 
-def __getattr__(name: str):
-    # Each import below is lazy by design (see the docstring).
-    if name == "build_tokenizer":
-        from torchmeg.data.tokenizer import build_tokenizer
-        return build_tokenizer
-    if name in ("open_stores", "build_dataset", "build_loader"):
-        from torchmeg.data import loader
-        return getattr(loader, name)
-    raise AttributeError(f"module 'torchmeg.data' has no attribute {name!r}")
+# Each public name and the module it lives in, imported on first use (PEP 562; see torchmeg._facade).
+_PUBLIC = {'build_tokenizer': 'torchmeg.data.tokenizer',
+           **dict.fromkeys(('open_stores', 'build_dataset', 'build_loader'), 'torchmeg.data.loader')}
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = _facade(__name__, _PUBLIC)

@@ -12,19 +12,13 @@ The public names below resolve on first use (PEP 562), so importing one submodul
 """
 from __future__ import annotations
 
+from torchmeg import _facade
 
-def __getattr__(name: str):
-    # Each import below is lazy by design (see the docstring).
-    if name in ("ModelSpec", "REGISTRY", "register", "get_spec", "pad_vocab", "spec_tp_plan"):
-        from torchmeg.models import spec
-        return getattr(spec, name)
-    if name in ("build_model", "model_args", "check_model_args"):
-        from torchmeg.models import args
-        return getattr(args, name)
-    if name in ("init_weights", "materialize", "param_seed", "canonical_fqn"):
-        from torchmeg.models import init
-        return getattr(init, name)
-    if name in ("count_params", "active_params", "flops_per_token"):
-        from torchmeg.models import count
-        return getattr(count, name)
-    raise AttributeError(f"module 'torchmeg.models' has no attribute {name!r}")
+# Each public name and the module it lives in, imported on first use (PEP 562; see torchmeg._facade).
+_PUBLIC = {**dict.fromkeys(('ModelSpec', 'REGISTRY', 'register', 'get_spec', 'pad_vocab', 'spec_tp_plan'), 'torchmeg.models.spec'),
+           **dict.fromkeys(('build_model', 'model_args', 'check_model_args'), 'torchmeg.models.args'),
+           **dict.fromkeys(('init_weights', 'materialize', 'param_seed', 'canonical_fqn'), 'torchmeg.models.init'),
+           **dict.fromkeys(('count_params', 'active_params', 'flops_per_token'), 'torchmeg.models.count')}
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = _facade(__name__, _PUBLIC)

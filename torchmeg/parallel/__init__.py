@@ -6,13 +6,10 @@ Public names resolve on first use (PEP 562), so importing one submodule loads on
 """
 from __future__ import annotations
 
+from torchmeg import _facade
 
-def __getattr__(name: str):
-    # Each import below is lazy by design (see the docstring).
-    if name == "ParallelDims":
-        from torchmeg.parallel.dims import ParallelDims
-        return ParallelDims
-    if name == "parallelize":
-        from torchmeg.parallel.parallelize import parallelize
-        return parallelize
-    raise AttributeError(f"module 'torchmeg.parallel' has no attribute {name!r}")
+# Each public name and the module it lives in, imported on first use (PEP 562; see torchmeg._facade).
+_PUBLIC = {'ParallelDims': 'torchmeg.parallel.dims', 'parallelize': 'torchmeg.parallel.parallelize'}
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = _facade(__name__, _PUBLIC)

@@ -5,10 +5,10 @@ the optimizer and LR schedule (optim.py), and the loss-spike guard (spike.py).
 """
 from __future__ import annotations
 
+from torchmeg import _facade
 
-def __getattr__(name: str):
-    # lazy by design: `from torchmeg.train import main` without importing the trainer at package import
-    if name == "main":
-        from torchmeg.train.cli import main
-        return main
-    raise AttributeError(f"module 'torchmeg.train' has no attribute {name!r}")
+# Each public name and the module it lives in, imported on first use (PEP 562; see torchmeg._facade).
+_PUBLIC = {'main': 'torchmeg.train.cli'}
+__all__ = sorted(_PUBLIC)
+
+__getattr__ = _facade(__name__, _PUBLIC)
