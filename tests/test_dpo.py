@@ -182,4 +182,4 @@ def test_pairs_from_parquet_equal_jsonl_and_only_the_answer_is_a_target(tmp_path
     assert all((x[0] == y[0]).all() and (x[1] == y[1]).all() for x, y in zip(a.rows[:2], b.rows))
     for ids, mask in a.rows:  # the targets: the final answer and its end of turn, never the earlier "4"
         target = tok.decode(ids[mask > 0])
-        assert target in ("Hi there!<|im_end|>", "No.<|im_end|>", "6<|im_end|>", "7<|im_end|>"), target
+        assert target in ("Hi there!<|im_end|>\n", "No.<|im_end|>\n", "6<|im_end|>\n", "7<|im_end|>\n"), target

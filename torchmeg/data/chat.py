@@ -7,17 +7,27 @@ tokenizer's special tokens as variables), so a conversation becomes the ids tran
 (`chat_template.jinja`, or `tokenizer_config.json`'s `chat_template`) or is one of the built-in
 templates named in `BUILTIN_TEMPLATES`.
 
-Which tokens are targets: each assistant message's content (with its <think> block where the
-template keeps it; the answer after it where the template drops it), found in the rendering in
-message order, and the turn terminator the template writes after it (learned from the template itself: what follows
-an assistant message's content up to the next line). A template that rewrites the content so it
-cannot be found gets a one-line error naming the record.
+Which tokens are targets — derived from the rendering's structure, never by searching for an
+answer's text (a one-letter answer also occurs inside '<|im_start|>'):
+- a template with `{% generation %}` markers (TRL's training templates; transformers derives
+  `return_assistant_tokens_mask` from them): the characters rendered inside the markers, exactly as
+  transformers tracks them;
+- any other template, turn by turn (the prefix method): assistant turn i is what the rendering of
+  messages[:i + 1] adds to the rendering of messages[:i] with the generation prompt — the answer, the
+  turn's end ('<|im_end|>\n', '<|eot_id|>') and whatever the template writes around them, as TRL's
+  marked templates mark it. Templates that render the prompt or earlier turns differently inside a
+  conversation (R1's prompt opens <think>; Qwen3 and R1 drop earlier reasoning) are located by the
+  message's content instead: rendering the conversation again with that one content replaced by
+  each of two probe characters differs from the real rendering exactly over the content.
+With `last_only` (DPO's completion) only the final assistant turn's tokens are targets.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
 import os
+import re
 from datetime import datetime
 
 import numpy as np
@@ -48,12 +58,51 @@ class ChatDataError(ValueError):
     """A record that cannot be rendered or trained on; the message names the file and the record."""
 
 
+_TRACKED = contextvars.ContextVar("torchmeg_generation_spans", default=None)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str):
-    """The template compiled in transformers' environment (utils/chat_template_utils.py)."""
+    """The template compiled in transformers' environment (utils/chat_template_utils.py): sandboxed,
+    trim_blocks, lstrip_blocks, loop controls, its `tojson`, `raise_exception`, `strftime_now`, `dict`
+    and underscore-refusing `namespace`, and the `{% generation %}` tag, whose spans are recorded while
+    `_TRACKED` holds (rendered blocks, spans) — the start is what was rendered before the block."""
     import jinja2  # lazy: only chat data renders templates
-    from jinja2.ext import loopcontrols  # lazy (as above)
+    from jinja2.ext import Extension, loopcontrols  # lazy (as above)
     from jinja2.sandbox import ImmutableSandboxedEnvironment  # lazy (as above)
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            text = caller()
+            tracked = _TRACKED.get()
+            if tracked is not None:
+                blocks, spans = tracked
+                start = sum(map(len, blocks))
+                spans.append((start, start + len(text)))
+            return text
+
+    def check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute cannot start with '_' ({name!r})")
+
+    class Namespace(jinja2.utils.Namespace):
+        def __init__(*args, **kwargs):  # jinja's signature trick: namespace(self=...) works
+            self, args = args[0], args[1:]
+            attrs = dict(*args, **kwargs)
+            for name in attrs:
+                check_name(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            check_name(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -65,11 +114,32 @@ def _compile(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=Namespace,
+                       dict=lambda *a, **k: dict(*a, **k))
     return env.from_string(source)
+
+
+# Two probe contents for locating a message's content in a rendering: different first and last
+# characters, so at most one of them agrees with the real content at either end.
+_PROBES = ("\u2460", "\u2461")
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    lo, hi = 0, n  # the longest equal prefix, by halving (renderings run to kilobytes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str) -> int:
+    return _common_prefix(a[::-1], b[::-1])
 
 
 def _token_text(v) -> str | None:
@@ -87,6 +157,8 @@ class ChatTemplate:
         self.special = {k: v for k, v in (special or {}).items() if v is not None}
         self._template = _compile(source)
         self._terminator = None
+        # whether the template marks what the model writes with {% generation %} blocks
+        self.marked = re.search(r"{%-?\s*generation\s*-?%}", source) is not None
 
     @classmethod
     def load(cls, spec: str) -> "ChatTemplate":
@@ -126,36 +198,65 @@ class ChatTemplate:
         line's end ('<|im_end|>', '<|eot_id|>', an eos token...): trained as part of the answer, so the
         model learns to stop."""
         if self._terminator is None:
-            probe = "TorchmegProbeAnswer42"  # no whitespace: templates trim answers
-            text = self.render([{"role": "user", "content": "question"}, {"role": "assistant", "content": probe}])
-            after = text[text.index(probe) + len(probe):] if probe in text else ""
+            messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}]
+            text = self.render(messages)
+            after = text[self._content_bounds(messages, 1, text)[1]:]
             self._terminator = after.split("\n", 1)[0].rstrip()
         return self._terminator
 
-    def target_spans(self, messages: list[dict], text: str) -> list[tuple[int, int]]:
-        """[start, end) character spans of `text` (this template's rendering of `messages`) that are
-        training targets: each assistant content with its terminator. Raises ChatDataError when a
-        message's content is not where the template should have written it."""
-        spans, cursor, end_mark = [], 0, self.terminator()
-        for i, m in enumerate(messages):
-            content = m["content"].strip()
-            at = text.find(content, cursor) if content else cursor
-            if at < 0 and "</think>" in content:  # templates that drop earlier turns' reasoning (Qwen3, R1)
-                content = content.split("</think>")[-1].strip()
-                at = text.find(content, cursor)
-            if at < 0:
-                raise ChatDataError(f"message {i} ({m['role']}): its content is not in the rendered conversation "
-                                    f"(template {self.name} rewrites it); targets cannot be located")
-            end = at + len(content)
-            trail = m["content"][len(m["content"].rstrip()):]  # kept by templates that do not trim
-            if trail and text.startswith(trail, end):
-                end += len(trail)
-            if m["role"] == "assistant":
-                if end_mark and text.startswith(end_mark, end):
-                    end += len(end_mark)
-                spans.append((at, end))
-            cursor = end
-        return spans
+    def render_marked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """(text, [start, end) spans of its {% generation %} blocks), as transformers tracks them."""
+        blocks, spans = [], []
+        token = _TRACKED.set((blocks, spans))
+        try:
+            for block in self._template.generate(messages=messages, add_generation_prompt=False, **self.special):
+                blocks.append(block)
+        finally:
+            _TRACKED.reset(token)
+        return "".join(blocks), spans
+
+    def _content_bounds(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
+        """[start, end) of message i's content as the template rendered it in `text` (the rendering of
+        `messages`): where renderings with that content replaced by each probe differ from `text`."""
+        start, suffix = len(text), len(text)
+        for probe in _PROBES:
+            alt = self.render(messages[:i] + [{**messages[i], "content": probe}] + messages[i + 1:])
+            start = min(start, _common_prefix(text, alt))
+            suffix = min(suffix, _common_suffix(text, alt))
+        return start, max(start, len(text) - suffix)
+
+    def _turn_span(self, messages: list[dict], i: int, text: str) -> tuple[int, int]:
+        """Assistant turn i's [start, end) in `text`: what the template writes for the turn after the
+        generation prompt — render(messages[:i + 1]) minus render(messages[:i], generation prompt) —
+        where both renderings are prefixes of `text`. Otherwise (a template that renders the prompt or
+        an earlier turn differently inside the conversation: R1's prompt opens <think>, Qwen3 and R1
+        drop earlier reasoning) the same turn is located by its content: from the prompt (or, where
+        the prompt is not in `text`, from where the content starts) to the content's end, followed by
+        what the template writes after a final turn's content."""
+        prompt = self.render(messages[:i], add_generation_prompt=True)
+        whole = self.render(messages[:i + 1])
+        prompt_ok = text.startswith(prompt)
+        if prompt_ok and text.startswith(whole) and len(prompt) <= len(whole):
+            return len(prompt), len(whole)
+        start, end = self._content_bounds(messages, i, text)
+        if prompt_ok and len(prompt) <= start:
+            start = len(prompt)
+        tail = whole[self._content_bounds(messages[:i + 1], i, whole)[1]:]
+        return start, end + len(tail) if text.startswith(tail, end) else end
+
+    def target_spans(self, messages: list[dict], last_only: bool = False) -> tuple[str, list[tuple[int, int]]]:
+        """(the rendering of `messages`, its [start, end) character spans that are training targets):
+        the {% generation %} blocks of a marked template, else each assistant turn (see the module
+        docstring); with `last_only`, those of the final assistant turn only."""
+        assistants = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        if self.marked:
+            text, spans = self.render_marked(messages)
+            if last_only:  # the blocks after the conversation before the final turn
+                cut = _common_prefix(text, self.render(messages[:assistants[-1]]))
+                spans = [(a, b) for a, b in spans if b > cut]
+            return text, [(a, b) for a, b in spans if b > a]
+        text = self.render(messages)
+        return text, [self._turn_span(messages, i, text) for i in (assistants[-1:] if last_only else assistants)]
 
 
 def check_messages(messages, where: str) -> list[dict]:
@@ -196,13 +297,13 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
     """(ids, target mask) of one conversation: ids as transformers' apply_chat_template(tokenize=True)
     gives them; mask[i] = 1 where token i is a training target (any character of it inside an
     assistant span, or only the last one's with `last_only`; every token with `train_on_prompt`)."""
-    text = template.render(messages)
-    ids, offsets = token_offsets(tokenizer, text)
     if train_on_prompt:
+        ids, _ = token_offsets(tokenizer, template.render(messages))
         return ids, np.ones(len(ids), dtype=np.uint8)
+    text, spans = template.target_spans(messages, last_only)
+    ids, offsets = token_offsets(tokenizer, text)
     mask = np.zeros(len(ids), dtype=np.uint8)
-    spans = template.target_spans(messages, text)
-    for a, b in spans[-1:] if last_only else spans:  # last_only: the final answer (DPO's completion)
+    for a, b in spans:  # every token overlapping a span, as transformers' assistant mask
         mask |= ((offsets[:, 0] < b) & (offsets[:, 1] > a)).astype(np.uint8)
     return ids, mask
 

@@ -31,7 +31,7 @@ from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_CHAT
 from torchmeg.kernels.fused_ce import IGNORE
 
-_FORMAT = "chat-v1"  # bump when the cached arrays' meaning changes
+_FORMAT = "chat-v2"  # bump when the cached arrays' meaning changes (v2: targets from the structure)
 
 
 # ---- records ------------------------------------------------------------------------------------

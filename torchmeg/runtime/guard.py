@@ -42,6 +42,11 @@ def set_store(store) -> None:
     _store = store
 
 
+def job_store():
+    """The job's store (None before a process group exists)."""
+    return _store
+
+
 def _peer_failure() -> str | None:
     """The failure another rank recorded, if any (best effort: its host may have died)."""
     if _store is None:
@@ -197,6 +202,8 @@ def cli_main(prog: str, prepare, run, stops: tuple = ()) -> int:
     except ConfigError as e:
         if rank == 0:
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(3)  # as in prepare(): rank 0's line goes out before a launcher stops it
         code = EXIT_CONFIG
     except stops as e:
         if rank == 0:

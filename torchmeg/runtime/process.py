@@ -7,10 +7,12 @@ import ctypes
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
 
+from torchmeg.config.errors import ConfigError
 from torchmeg.runtime import guard
 from torchmeg.config.support import device_type
 
@@ -174,6 +176,37 @@ def nodes() -> tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     return max(1, world // local), local, int(os.environ.get("GROUP_RANK", "0"))
+
+
+def on_each_node(work, what: str):
+    """`work()` on each node's local rank 0 while the node's other ranks wait (a cache built once per
+    node), every rank then learning every node's outcome through the job's store — no collective, so
+    a ConfigError there (bad data) leaves no peer in a barrier: every rank raises it (the CLI prints it
+    once, from rank 0; every rank exits 2). Rank 0 hosts the store, so it leaves after every rank has
+    read (waiting a bounded time). -> work()'s result on a node's local rank 0, else None."""
+    store, (n_nodes, local, node) = guard.job_store(), nodes()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if store is None or world == 1:
+        return work()
+    keys = [f"torchmeg/{what}/node{n}" for n in range(n_nodes)]
+    result = None
+    if rank % local == 0:
+        outcome = "ok"
+        try:
+            result = work()
+        except ConfigError as e:
+            outcome = f"error:{e}"
+        store.set(keys[node], outcome)
+    store.wait(keys)  # bounded by the store's timeout (comm.init_timeout_seconds)
+    errors = [v[len("error:"):] for v in (store.get(k).decode() for k in keys) if v != "ok"]
+    read = store.add(f"torchmeg/{what}/read", 1)
+    if errors:
+        deadline = time.monotonic() + 10
+        while rank == 0 and read < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+            read = store.add(f"torchmeg/{what}/read", 0)
+        raise ConfigError(errors[0])
+    return result
 
 
 def inject_nan(step: int) -> bool:

@@ -77,12 +77,10 @@ class Trainer:
         """One builder per node prepares caches (and says where); the rest wait, then every rank opens them."""
         cfg = self.cfg
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            notes = prepare_stores(cfg, self.tokenizer)
-            n_nodes, _, node = runtime.nodes()
-            if notes and (n_nodes > 1 or any(" built " in x for x in notes)):
-                print(f"[data] node {node} ({socket.gethostname()}), local rank 0: {'; '.join(notes)}", flush=True)
-        dist.barrier()
+        notes = runtime.on_each_node(lambda: prepare_stores(cfg, self.tokenizer), "data")  # bad data: exit 2 on every rank
+        n_nodes, _, node = runtime.nodes()
+        if notes and (n_nodes > 1 or any(" built " in x for x in notes)):
+            print(f"[data] node {node} ({socket.gethostname()}), local rank 0: {'; '.join(notes)}", flush=True)
         stores = open_stores(cfg, self.tokenizer)
         self.train_set = build_dataset(cfg, stores, "train")
         self.val_set = build_dataset(cfg, stores, "val") if cfg.validation.enable else None

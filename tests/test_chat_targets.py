@@ -1,0 +1,187 @@
+"""Which tokens SFT and DPO train on, judged on real templates nobody here wrote — the chat templates
+TRL ships (Qwen2.5, Llama-3, Llama-3.1, Gemma-3, Qwen3, DeepSeek-R1-Distill as their releases ship
+them, and TRL's training twins with `{% generation %}` markers) — against transformers:
+
+- ids = `apply_chat_template(tokenize=True)` for every conversation and template;
+- on a marked template, the target mask = transformers' `return_assistant_tokens_mask`;
+- elsewhere, = the prefix derivation, computed here with transformers' own renderer: assistant turn
+  i is render(messages[:i+1]) minus render(messages[:i], add_generation_prompt=True), where both are
+  prefixes of the whole rendering; the turns of templates that render earlier reasoning differently
+  (Qwen3, R1) are spelled out below;
+- DPO's chosen and rejected rows: the same, for the final turn only.
+
+The conversations are adversarial: answers that also occur in the template's header ("a" inside
+<|im_start|>, "assistant", "end"), in the question and the system prompt; one-letter, numeric,
+whitespace-led and non-ASCII answers; repeated answers; reasoning blocks."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import textwrap
+
+import numpy as np
+import pytest
+
+trl = pytest.importorskip("trl")  # the test extra; its templates are the real ones
+TEMPLATE_DIR = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+
+# name: (eos, bos) as the family's tokenizer_config.json declares them
+FAMILIES = {"qwen2_5": ("<|im_end|>", None), "llama3": ("<|eot_id|>", "<|begin_of_text|>"),
+            "llama3_1": ("<|eot_id|>", "<|begin_of_text|>"), "gemma3": ("<eos>", "<bos>"),
+            "qwen3": ("<|im_end|>", None), "deepseek_r1_distill": ("<｜end▁of▁sentence｜>", "<｜begin▁of▁sentence｜>")}
+TEMPLATES = sorted(FAMILIES) + [f + "_training" for f in sorted(FAMILIES)
+                                if os.path.isfile(os.path.join(TEMPLATE_DIR, f + "_training.jinja"))]
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>",
+           "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+
+U, A, S = "user", "assistant", "system"
+CONVERSATIONS = [
+    [(U, "Pick (a) or (b)."), (A, "a")],  # 'a' first occurs inside '<|im_start|>'
+    [(S, "Reply 4 or 5. The assistant says end."), (U, "2+2? 4 or 5"), (A, "4")],
+    [(U, "say assistant"), (A, "assistant"), (U, "now say end"), (A, "end")],
+    [(U, "lead"), (A, "\nled by a newline  ")],  # kept where the template does not trim
+    [(U, "ünï ✓"), (A, "日本 ✓ ü")],
+    [(U, "2 + 2?"), (A, "<think>\nadd a\n</think>\n\na"), (U, "and a?"), (A, "<think>\nthe letter a\n</think>\n\na")],
+    [(U, "yes?"), (A, "yes"), (U, "yes?"), (A, "yes")],
+    [(S, "Answer 12."), (U, "12?"), (A, "12"), (U, "12 again?"), (A, " 12")],
+]
+CONVERSATIONS = [[{"role": r, "content": c} for r, c in conv] for conv in CONVERSATIONS]
+
+
+def not_prefix(name: str, k: int, messages: list[dict], last_only: bool = False) -> list[str]:
+    """The turns the prefix derivation does not cover, as the template renders them inside the
+    conversation (decoded targets)."""
+    answers = [m["content"] for m in messages if m["role"] == "assistant"][-1 if last_only else 0:]
+    if name == "deepseek_r1_distill":  # its prompt opens '<think>\n', and every turn drops its reasoning
+        return [a.split("</think>")[-1] + "<｜end▁of▁sentence｜>" for a in answers]
+    if name == "qwen3":  # the final answer keeps its <think> block (an empty one if it has none); earlier
+        out = []          # answers (before the last user query) are rendered as their text after </think>
+        for j, a in enumerate(answers):
+            thought, text = a.split("</think>")[0].split("<think>")[-1] if "</think>" in a else "", a.split("</think>")[-1]
+            out.append(("<think>\n" + thought.strip("\n") + "\n</think>\n\n" if j == len(answers) - 1 else "")
+                       + text.lstrip("\n") + "<|im_end|>\n")
+        return out
+    raise AssertionError(f"{name} conversation {k}: the prefix derivation does not hold")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def _folder(tmp_path, tokenizer_json, name: str) -> str:
+    """A tokenizer folder as transformers saves one, with the real template beside it."""
+    eos, bos = FAMILIES[name.removesuffix("_training")]
+    path = tmp_path / name
+    path.mkdir()
+    (path / "tokenizer.json").write_bytes(tokenizer_json.read_bytes())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": 8192}
+    if bos:
+        config["bos_token"] = bos
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").write_text(open(os.path.join(TEMPLATE_DIR, name + ".jinja")).read())
+    return str(path)
+
+
+def _prefix_mask(hf, messages, last_only=False):
+    """The prefix derivation with transformers' renderer and tokenizer; None where a turn's renderings
+    are not prefixes of the whole."""
+    render = lambda m, gen=False: hf.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    text = render(messages)
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    mask = np.zeros(len(enc["input_ids"]), dtype=np.uint8)
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    for i in turns[-1:] if last_only else turns:
+        prompt, whole = render(messages[:i], True), render(messages[:i + 1])
+        if not (text.startswith(prompt) and text.startswith(whole)):
+            return None
+        a, b = len(prompt), len(whole)
+        mask |= np.array([s < b and e > a for s, e in enc["offset_mapping"]], dtype=np.uint8)
+    return mask
+
+
+def _spans(hf, ids, mask) -> list[str]:
+    out, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            out.append(hf.decode(ids[i:j].tolist()))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_targets_equal_transformers_on_real_templates(name, tmp_path, tokenizer_json):
+    from transformers import AutoTokenizer
+    from torchmeg.data.chat import ChatTemplate, encode_conversation
+    from torchmeg.data.pairs import encode_side
+    from torchmeg.data.tokenizer import build_tokenizer
+    path = _folder(tmp_path, tokenizer_json, name)
+    hf, tok, template = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json"), ChatTemplate.load(path)
+    assert template.marked == name.endswith("_training")
+    checked = 0
+    for k, messages in enumerate(CONVERSATIONS):
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                     return_assistant_tokens_mask=template.marked)
+        ids, mask = encode_conversation(template, tok, messages)
+        assert ids.tolist() == list(out["input_ids"]), (name, k)
+        if template.marked:
+            want = np.asarray(out["assistant_masks"], dtype=np.uint8)
+        else:
+            want = _prefix_mask(hf, messages)
+        if want is None:
+            assert _spans(hf, ids, mask) == not_prefix(name, k, messages), (name, k, _spans(hf, ids, mask))
+        else:
+            assert mask.tolist() == want.tolist(), (name, k, _spans(hf, ids, mask), _spans(hf, ids, want))
+        assert mask.sum() > 0 and not mask[:3].any()  # something is trained; the header never is
+        checked += 1
+        # DPO: the conversation before the final answer is the prompt; chosen = that answer, rejected another
+        *prompt, answer = messages
+        for side in (answer["content"], "b"):
+            ids, mask = encode_side(template, tok, prompt, side)
+            full = prompt + [{"role": "assistant", "content": side}]
+            out = hf.apply_chat_template(full, tokenize=True, return_dict=True,
+                                         return_assistant_tokens_mask=template.marked)
+            assert ids.tolist() == list(out["input_ids"]), (name, k, side)
+            if template.marked:  # the marked blocks after the prompt conversation
+                cut = len(hf.apply_chat_template(prompt, tokenize=False))
+                offsets = hf(hf.apply_chat_template(full, tokenize=False), add_special_tokens=False,
+                             return_offsets_mapping=True)["offset_mapping"]
+                want = np.asarray(out["assistant_masks"], dtype=np.uint8) * np.array([e > cut for _, e in offsets])
+            else:
+                want = _prefix_mask(hf, full, last_only=True)
+            if want is None:
+                assert _spans(hf, ids, mask) == not_prefix(name, k, full, last_only=True), (name, k, side)
+            else:
+                assert mask.tolist() == want.tolist(), (name, k, side, _spans(hf, ids, mask), _spans(hf, ids, want))
+            assert _spans(hf, ids, mask)[-1].strip().endswith(FAMILIES[name.removesuffix("_training")][0]
+                                                             if "gemma" not in name else "<end_of_turn>")
+    assert checked == len(CONVERSATIONS)
+
+
+def test_a_one_letter_answer_is_trained_where_it_stands(tmp_path):
+    """The issue's case, on the built-in chatml and the byte tokenizer: the target is the answer and
+    its end of turn, not the 'a' inside '<|im_start|>'."""
+    from torchmeg.data.chat import ChatTemplate, encode_conversation
+    from torchmeg.data.tokenizer import ByteTokenizer
+    messages = CONVERSATIONS[0]
+    ids, mask = encode_conversation(ChatTemplate.load("chatml"), ByteTokenizer(), messages)
+    text = bytes(ids.tolist()).decode()
+    targets = bytes(ids[mask > 0].tolist()).decode()
+    assert targets == "a<|im_end|>\n" and text.endswith("<|im_start|>assistant\na<|im_end|>\n"), (text, targets)
+    assert np.flatnonzero(mask)[0] == len(text.encode()) - len(targets.encode())
