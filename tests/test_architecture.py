@@ -41,7 +41,8 @@ PACKAGE_DEPS = {
 ALLOWED = {
     "torchmeg.config.errors": {"torchmeg.config"},
     "torchmeg.config.layout": {"torchmeg.config"},
-    "torchmeg.config.schema": {"torchmeg.config", "torchmeg.config.errors"},
+    "torchmeg.config.sections": {"torchmeg.config"},
+    "torchmeg.config.schema": {"torchmeg.config", "torchmeg.config.errors", "torchmeg.config.sections"},
 }
 # The top of the package: its __init__ and the thin `python -m torchmeg.X` entry modules.
 ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch", "torchmeg.convert",

@@ -1,0 +1,213 @@
+"""The recipe's sections as typed dataclasses: each key's type, default, allowed values or range, and
+its one-line help (what `--help` prints). The keys are the public contract (RECIPES.md); loading a
+recipe into them is torchmeg.config.schema's. Imports nothing of torchmeg."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+
+def _f(default, *, choices=None, lo=None, hi=None, help=""):
+    meta = {"choices": choices, "lo": lo, "hi": hi, "help": help}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=default: list(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    name: str = _f("debug_llama", help="run name; outputs go to <dump_folder>/<name>/")
+    dump_folder: str = _f("./outputs")
+    seed: int = _f(0, lo=0)
+    cpu_keep_freed_memory: bool = _f(True, help="CPU runs: glibc keeps freed blocks up to 32 MiB for reuse instead of "
+                                                "returning them to the kernel each step (fewer page faults, a few "
+                                                "percent tokens/s; a little more resident memory)")
+
+
+@dataclass
+class Model:
+    name: str = _f("llama", help="registry key")
+    flavor: str = _f("debug")
+    blocks: str = _f("", help="FQN of the ModuleList/ModuleDict/Sequential of repeated blocks; '' = found")
+    hf_config: str = _f("", help="model.name = 'hf': a Hugging Face config.json, or a directory holding one")
+    hf_attn_implementation: str = _f("sdpa", choices=["sdpa", "eager"],
+                                     help="model.name = 'hf': transformers' attention kernel (eager for models "
+                                          "without SDPA support, e.g. Gemma 2's soft-capped attention)")
+    # Any field of the flavor's args (dim, n_layers, ...) may be set in [model]; they land here
+    # and are checked against the model's own argument dataclass.
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class Data:
+    dataset: Union[str, list] = _f("python_stdlib")
+    weights: list = _f([])
+    tokenizer: str = _f("byte")
+    seq_len: int = _f(256, lo=2)
+    num_workers: int = _f(0, lo=0)
+    val_fraction: float = _f(0.005, lo=0.0, hi=0.5, help="held-out share of the samples")
+    cache_dir: str = _f("", help="where built-in datasets are cached; '' = $TORCHMEG_CACHE or ~/.cache/torchmeg")
+    document_masking: bool = _f(False, help="attention stays within each document of a window and positions "
+                                           "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
+    mask_eod_loss: bool = _f(False, help="no loss on a document's first token (Megatron's --eod-mask-loss)")
+    chat_template: str = _f("", help="sft/dpo: '' = the tokenizer folder's own; chatml, llama3, a folder or a .jinja")
+    train_on_prompt: bool = _f(False, help="sft: every token is a target, not only the assistant turns")
+    long_conversations: str = _f("truncate", choices=["truncate", "drop"], help="sft: longer than seq_len: cut or left out")
+
+
+@dataclass
+class Training:
+    objective: str = _f("pretrain", choices=["pretrain", "sft", "dpo"],
+                        help="pretrain: next-token loss over every token; sft: chat data (data.dataset = .jsonl / "
+                             ".parquet conversations or python_stdlib_chat), loss on the assistant tokens only, "
+                             "averaged over the whole global batch's targets; dpo: preference pairs (prompt, "
+                             "chosen, rejected; or python_stdlib_pairs) against the starting weights")
+    dpo_beta: float = _f(0.1, lo=0.0, help="dpo: the KL weight beta")
+    dpo_loss_type: str = _f("sigmoid", choices=["sigmoid", "ipo"], help="dpo: TRL's loss_type of the same name")
+    steps: int = _f(200, lo=1)
+    local_batch_size: int = _f(8, lo=1)
+    global_batch_size: int = _f(-1, lo=-1)
+    max_norm: float = _f(1.0, lo=0.0)
+    mixed_precision: str = _f("fp32", choices=["fp32", "bf16"])
+    tf32: bool = _f(True, help="CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); false: full fp32")
+    device: str = _f("auto", choices=["auto", "cpu", "cuda"])
+    deterministic: bool = _f(False)
+    on_nonfinite: str = _f("skip", choices=["skip", "stop"])
+    max_consecutive_skips: int = _f(10, lo=0, help="stop after this many non-finite steps in a row; 0 = no cap")
+    loss_spike_factor: float = _f(3.0, lo=0.0, help="a loss above this x the median of the last loss_spike_window "
+                                                    "steps is a spike; 0 = off")
+    loss_spike_window: int = _f(100, lo=1, help="steps whose losses form the running median")
+    on_loss_spike: str = _f("log", choices=["log", "skip", "stop"],
+                            help="log: report it and apply the step; skip: report it, no update; stop: exit 1")
+    fused_linear_cross_entropy: bool = _f(False, help="the LM head and the loss computed together over chunks of "
+                                                      "tokens: the [tokens, vocab] logits never exist (torchmeg.kernels.fused_ce)")
+    watchdog_factor: float = _f(10.0, lo=0.0, help="a step slower than this x the median step is a hang; 0 = off")
+    watchdog_min_s: float = _f(120.0, lo=1.0, help="the watchdog never fires on a step before this many seconds")
+    watchdog_startup_s: float = _f(1800.0, lo=1.0, help="limit for the first steps (compile), eval, checkpoint I/O")
+
+
+@dataclass
+class Optimizer:
+    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
+    lr: float = _f(3e-3, lo=0.0)
+    weight_decay: float = _f(0.1, lo=0.0)
+    betas: list = _f([0.9, 0.95])
+    eps: float = _f(1e-8, lo=0.0)
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = _f(20, lo=0)
+    decay_type: str = _f("cosine", choices=["cosine", "linear", "constant"])
+    min_lr_ratio: float = _f(0.1, lo=0.0, hi=1.0)
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = _f(1, lo=1)
+    data_parallel_shard_degree: int = _f(-1, lo=-1)
+    tensor_parallel_degree: int = _f(1, lo=1)
+    sequence_parallel: bool = _f(True)
+    loss_parallel: bool = _f(True)
+    pipeline_parallel_degree: int = _f(1, lo=1)
+    pipeline_parallel_schedule: str = _f(
+        "1F1B", choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+    pipeline_parallel_microbatches: int = _f(-1, lo=-1)
+    pipeline_parallel_layers_per_stage: Union[int, list] = _f(-1)
+    context_parallel_degree: int = _f(1, lo=1)
+    context_parallel_mode: str = _f("allgather", choices=["allgather", "ring", "alltoall"],
+                                    help="K/V exchange of context-parallel attention")
+    expert_parallel_degree: int = _f(1, lo=1)
+    expert_capacity_factor: float = _f(0.0, lo=0.0, help="EP: 0 = dropless (one host read per layer); > 0 = fixed "
+                                       "capacity per peer, no host read, tokens beyond it dropped (ep: none dropped)")
+    enable_async_tensor_parallel: bool = _f(False)
+    fsdp_reshard_after_forward: bool = _f(True)
+    fsdp_reshard_per_microbatch: bool = _f(False, help="under PP: FSDP gathers per microbatch (true) or per step")
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = _f("none", choices=["none", "full", "selective"])
+    selective_option: Union[str, int] = _f("op", help="op | op_half (every other matmul recomputed) | N")
+
+
+@dataclass
+class Compile:
+    enable: bool = _f(False)
+    components: list = _f(["model", "loss"])
+    cache_dir: str = _f("", help="inductor's kernel cache; '' = TORCHINDUCTOR_CACHE_DIR or torch's default")
+
+
+@dataclass
+class Float8:
+    enable: bool = _f(False)
+    recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    emulate: Union[str, bool] = _f("auto")
+    enable_fsdp_float8_all_gather: bool = _f(False)
+    filter_fqns: list = _f(["output", "lm_head"])
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = _f(False)
+    folder: str = _f("checkpoint")
+    interval: int = _f(100, lo=1)
+    keep_latest_k: int = _f(2, lo=0)
+    async_mode: str = _f("disabled", choices=["disabled", "async"])
+    load_step: int = _f(-1, lo=-1)
+    export_hf: bool = _f(False)
+    initial_load_hf: str = _f("", help="a Hugging Face safetensors directory to start from (model.name = 'hf'), "
+                              "when there is no checkpoint to resume; each rank reads only its shard")
+    initial_load_path: str = _f("", help="a fresh run (nothing in checkpoint.folder to resume) starts from the model "
+                                "weights of this checkpoint (a step folder, or a checkpoint folder: its newest "
+                                "committed step); step, optimizer and data start anew (fine-tuning)")
+    last_save_model_only: bool = _f(False, help="the final checkpoint holds model weights only")
+    export_dtype: str = _f("float32", choices=["float32", "bfloat16"], help="dtype of a model-only final save")
+    on_damaged: str = _f("fallback", choices=["fallback", "stop"],
+                         help="a damaged newest checkpoint: load the previous complete one, or stop")
+    verify: bool = _f(True, help="record file sizes and CRC32s at commit; check them before loading")
+    remap_data_position: bool = _f(False, help="allow resuming with another global batch / seq_len; "
+                                   "the data position then follows the tokens consumed")
+
+
+@dataclass
+class Validation:
+    enable: bool = _f(False)
+    freq: int = _f(100, lo=1)
+    steps: int = _f(10, lo=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = _f(10, lo=1)
+    enable_tensorboard: bool = _f(True)
+    jsonl: bool = _f(True)
+
+
+@dataclass
+class Profiling:
+    enable: bool = _f(False)
+    profile_freq: int = _f(100, lo=1)
+    active_steps: int = _f(2, lo=1, help="steps recorded at the end of each profile_freq window")
+    memory: bool = _f(True, help="also a memory snapshot (CUDA) or memory timeline (CPU) per window")
+
+
+@dataclass
+class Comm:
+    # As torchtitan's comm.*_timeout_seconds: a long limit while ranks may legitimately wait on each
+    # other for minutes (start-up, compilation of the first steps, evaluation, checkpoint I/O), a
+    # shorter one between steady training steps. Each stays above the watchdog's limit for the same
+    # phase, so a hang is reported by the watchdog (phase, stacks) before a collective times out.
+    init_timeout_seconds: float = _f(2400.0, lo=1.0, help="collective timeout at start-up, in the first training "
+                                                          "steps, evaluation and checkpoint I/O; must exceed "
+                                                          "training.watchdog_startup_s")
+    train_timeout_seconds: float = _f(600.0, lo=1.0, help="collective timeout in steady training steps (raised to "
+                                                          "1.25 x the watchdog's step limit when that is longer); "
+                                                          "must exceed training.watchdog_min_s")
+
+
+@dataclass
+class Plan:
+    world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
+                                        "degrees, which then must not use data_parallel_shard_degree = -1")
+    gpu: str = _f("h100", choices=["h100", "h100-500w", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
