@@ -25,7 +25,7 @@ P = "--parallelism."
 REWARD_ABS = 0.1 * 2 * 384 * 5.77 * 2 ** -24
 
 
-def _trl_loss(per_token_logps, completion_mask, ref, beta, loss_type):
+def _trl_loss(per_token_logps, completion_mask, ref, beta, loss_types, weights, smoothing=0.0):
     """TRL's DPOTrainer._compute_loss itself, on these per-token log-probs (a stand-in model returns
     them; every other input is what its trainer would pass) -> (loss, its logged metrics)."""
     from trl import DPOTrainer
@@ -38,7 +38,7 @@ def _trl_loss(per_token_logps, completion_mask, ref, beta, loss_type):
     fake = types.SimpleNamespace(
         model=model, accelerator=types.SimpleNamespace(device="cpu", gather=gather, gather_for_metrics=gather),
         aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-        loss_types=[loss_type], loss_weights=[1.0], beta=beta, label_smoothing=0.0, use_weighting=False,
+        loss_types=loss_types, loss_weights=weights, beta=beta, label_smoothing=smoothing, use_weighting=False,
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
     inputs = {"input_ids": torch.zeros(rows, L, dtype=torch.long), "attention_mask": torch.ones(rows, L),
               "completion_mask": completion_mask, "ref_chosen_logps": ref[:, 0], "ref_rejected_logps": ref[:, 1]}
@@ -46,8 +46,14 @@ def _trl_loss(per_token_logps, completion_mask, ref, beta, loss_type):
     return loss.item(), {k: v[-1] for k, v in fake._metrics["train"].items()}
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
-def test_dpo_loss_and_rewards_equal_trl(loss_type):
+# (training.dpo_loss_type, dpo.loss_weights, dpo.label_smoothing): every type alone, RPO's sigmoid + sft
+DPO_LOSSES = [(k, [], 0.1 if k == "robust" else 1e-3 if k == "exo_pair" else 0.0)
+              for k in ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "apo_zero", "apo_down", "bco_pair", "nca_pair",
+                        "sppo_hard", "sigmoid_norm")] + [("sigmoid,sft", [1.0, 0.5], 0.0), ("ipo,sft", [], 0.0)]
+
+
+@pytest.mark.parametrize("loss_type, weights, smoothing", DPO_LOSSES, ids=[c[0] for c in DPO_LOSSES])
+def test_dpo_loss_and_rewards_equal_trl(loss_type, weights, smoothing):
     from torchmeg.kernels.fused_ce import IGNORE
     from torchmeg.train.dpo import DPOLoss
     g = torch.Generator().manual_seed(0)
@@ -65,9 +71,11 @@ def test_dpo_loss_and_rewards_equal_trl(loss_type):
     ref = torch.randn(pairs, 2, generator=g, dtype=torch.float64) * 5 + logp.sum(-1).view(pairs, 2)
     # TRL's batch is [all chosen; all rejected]; torchmeg's interleaves a pair's rows
     order = torch.cat([torch.arange(0, rows, 2), torch.arange(1, rows, 2)])
-    want, metrics = _trl_loss(logp[order], mask[order], ref, beta, loss_type)
-    ours = DPOLoss(beta, loss_type)
+    kinds = loss_type.split(",")
+    want, metrics = _trl_loss(logp[order], mask[order], ref, beta, kinds, weights or [1.0] * len(kinds), smoothing)
+    ours = DPOLoss(beta, list(zip(kinds, weights or [1.0] * len(kinds))), smoothing)
     ours.table, ours.pair_ids = ref, torch.arange(pairs)
+    ours.sft_scale = 1 / float((labels[0::2] != IGNORE).sum())  # count_targets' value at one rank, one microbatch
     with torch.enable_grad():
         got = ours(logits, labels).item()
     # float64 on both sides (torchmeg keeps float64 logits in float64): only summation order differs,
@@ -134,6 +142,42 @@ def test_dpo_debug_run_raises_margin_and_accuracy(tmp_path):
     assert mean(last, "dpo_margin") > mean(first, "dpo_margin") + 0.3, rows
     assert mean(last, "dpo_accuracy") >= mean(first, "dpo_accuracy") and mean(last, "dpo_accuracy") >= 0.9, rows
     assert rows[-1]["val_loss"] < 0.6931
+
+
+@pytest.mark.slow
+def test_a_reference_checkpoint_changes_the_loss_as_trls_ref_model(tmp_path):
+    """dpo.reference_path: the reference log-probs come from that checkpoint (= those a run starting
+    from it computes), the policy is still the starting weights (put back after the reference pass),
+    and step 1's loss and rewards are TRL's with ref_model = that checkpoint. Four pairs, global batch
+    4, lr 0: step 1 sees every pair. A resume with another reference is refused in one line."""
+    run_cli(TINY + ["--checkpoint.enable=true", "--checkpoint.interval=1", "--training.steps=3", "--checkpoint.keep_latest_k=0",
+                    "--optimizer.lr=3e-3"], tmp_path, name="src")
+    src = tmp_path / "src" / "checkpoint"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"Say {w}.", "chosen": f"{w}, indeed.", "rejected": "no"}) + "\n"
+                             for w in ("a", "yes", "42", "end")))
+    base = TINY + ["--training.objective=dpo", f"--data.dataset={pairs}", "--data.chat_template=chatml",
+                   "--data.seq_len=64", "--data.val_fraction=0", "--validation.enable=false", "--optimizer.lr=0",
+                   "--training.global_batch_size=4", "--training.local_batch_size=4", "--training.steps=1",
+                   "--checkpoint.enable=true", "--checkpoint.interval=1"]
+    start, ref = src / "step-00000003", src / "step-00000001"
+    p = run_cli(base + [f"--checkpoint.initial_load_path={start}", f"--dpo.reference_path={ref}"], tmp_path, name="x")
+    assert f"computed from {ref}" in p.stdout, p.stdout[-2000:]
+    run_cli(base + [f"--checkpoint.initial_load_path={ref}"], tmp_path, name="r")       # its log-probs as a start
+    run_cli(base + [f"--checkpoint.initial_load_path={start}"], tmp_path, name="s")     # the policy's
+    table = lambda n: torch.load(tmp_path / n / "checkpoint" / "dpo_reference.pt")["table"]  # noqa: E731
+    assert torch.equal(table("x"), table("r")) and not torch.equal(table("x"), table("s"))
+    policy, reference = table("s"), table("x")
+    # TRL's batch [4 chosen; 4 rejected], each row's summed log-prob as its one completion token
+    logp = torch.cat([policy[:, 0], policy[:, 1]])[:, None]
+    want, metrics = _trl_loss(logp, torch.tensor([[0.0, 1.0]] * 8), reference, 0.1, ["sigmoid"], [1.0])
+    got = read_metrics(tmp_path, "x")[0]
+    assert_close(got["loss"], want, 1e-5, "step-1 loss vs TRL with ref_model")  # fp32 log-probs of 64-token rows
+    assert abs(got["dpo_margin"] - metrics["rewards/margins"]) <= REWARD_ABS and abs(got["dpo_margin"]) > 10 * REWARD_ABS
+    p = run_cli(base + [f"--checkpoint.initial_load_path={start}", f"--dpo.reference_path={src / 'step-00000002'}",
+                        "--training.steps=2"], tmp_path, name="x", check=False)
+    errors = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(errors) == 1 and "dpo.reference_path" in errors[0], p.stderr[-2000:]
 
 
 BAD_PAIRS = {

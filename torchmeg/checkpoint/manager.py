@@ -194,22 +194,7 @@ class CheckpointManager:
     def _load_initial(self, where: str) -> None:
         """checkpoint.initial_load_path: the model weights of another run's checkpoint (any layout saved
         it), nothing else: step 0, a fresh optimizer and data position (fine-tuning a pretrained model)."""
-        key = "checkpoint.initial_load_path"
-        path = where
-        if not os.path.isfile(os.path.join(path, MARKER)):
-            steps = committed_steps(path) if os.path.isdir(path) else []
-            if not steps:
-                raise CheckpointError(f"{key} = {where!r}: neither a committed step folder nor a checkpoint folder "
-                                      f"holding one")
-            path = step_dir(path, steps[-1])
-        problem, _ = _read_marker(path)
-        if problem:
-            raise CheckpointError(f"{key} = {where!r}: {path} is damaged ({problem})")
-        failed = _load_checked(path, self._states(model_only=True), lambda: list(self.model.parameters()))
-        if failed:
-            why = failed[1] if failed[0] == "load" else "non-finite values in the weights"
-            raise CheckpointError(f"{key} = {where!r}: {path} cannot be loaded ({why})")
-        self.loaded_from = self.loaded_initial = path
+        self.loaded_from = self.loaded_initial = load_model_from(self.model, where, "checkpoint.initial_load_path")
 
     def _try_load(self, path: str, step: int) -> str | None:
         """Load `path`; None if it is whole and finite, else the problem (one line, the same on
@@ -336,6 +321,27 @@ def _read_marker(path: str) -> tuple[str | None, dict]:
     except (OSError, ValueError) as e:
         problem = f"{MARKER}: {_first_line(e)}"
     return _agree(problem), meta
+
+
+def load_model_from(model, where: str, key: str) -> str:
+    """The model weights of the checkpoint `where` names (a committed step folder, or a checkpoint
+    folder: its newest committed step), whatever layout saved them, into `model`; verified, and one
+    line naming `key` when they cannot be used. -> the step folder loaded."""
+    path = where
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        steps = committed_steps(path) if os.path.isdir(path) else []
+        if not steps:
+            raise CheckpointError(f"{key} = {where!r}: neither a committed step folder nor a checkpoint folder "
+                                  f"holding one")
+        path = step_dir(path, steps[-1])
+    problem, _ = _read_marker(path)
+    if problem:
+        raise CheckpointError(f"{key} = {where!r}: {path} is damaged ({problem})")
+    failed = _load_checked(path, {"model": ModelState(model)}, lambda: list(model.parameters()))
+    if failed:
+        why = failed[1] if failed[0] == "load" else "non-finite values in the weights"
+        raise CheckpointError(f"{key} = {where!r}: {path} cannot be loaded ({why})")
+    return path
 
 
 def load_model_weights(cfg, model, tokenizer: str = "", state=None) -> tuple[int, str] | None:

@@ -63,7 +63,9 @@ class Training:
                              "averaged over the whole global batch's targets; dpo: preference pairs (prompt, "
                              "chosen, rejected; or python_stdlib_pairs) against the starting weights")
     dpo_beta: float = _f(0.1, lo=0.0, help="dpo: the KL weight beta")
-    dpo_loss_type: str = _f("sigmoid", choices=["sigmoid", "ipo"], help="dpo: TRL's loss_type of the same name")
+    dpo_loss_type: str = _f("sigmoid", help="dpo: TRL's loss_type: sigmoid, ipo, hinge, robust, apo_zero, apo_down, "
+                                           "bco_pair, nca_pair, sppo_hard, exo_pair, sigmoid_norm, or several joined "
+                                           "by ',' (summed with dpo.loss_weights), e.g. 'sigmoid,sft' (RPO)")
     steps: int = _f(200, lo=1)
     local_batch_size: int = _f(8, lo=1)
     global_batch_size: int = _f(-1, lo=-1)
@@ -211,3 +213,13 @@ class Plan:
     world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
                                         "degrees, which then must not use data_parallel_shard_degree = -1")
     gpu: str = _f("h100", choices=["h100", "h100-500w", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
+
+
+@dataclass
+class Dpo:
+    reference_path: str = _f("", help="dpo: the reference model's checkpoint (a step folder, or a checkpoint folder: its "
+                                      "newest); '' = the weights the run starts from")
+    loss_weights: list = _f([], help="dpo: a weight per training.dpo_loss_type term (TRL's loss_weights); [] = all 1")
+    label_smoothing: float = _f(0.0, lo=0.0, hi=0.5, help="dpo: the share of flipped preferences assumed (robust, "
+                                                          "exo_pair: TRL's label_smoothing)")
+

@@ -61,8 +61,10 @@ def _loss_line(cfg, built, layout) -> str:
             if cfg.data.mask_eod_loss else "cross-entropy, mean over targets")
     if cfg.training.objective == "dpo":
         t = cfg.training
-        return (f"dpo ({t.dpo_loss_type}, beta {t.dpo_beta:g}): answer log-probs against those of the starting "
-                f"weights; mean over the global batch's pairs" + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else ""))
+        terms = t.dpo_loss_type + (f" weighted {cfg.dpo.loss_weights}" if cfg.dpo.loss_weights else "")
+        ref = cfg.dpo.reference_path or "the starting weights"
+        return (f"dpo ({terms}, beta {t.dpo_beta:g}): answer log-probs against those of {ref}; mean over the global "
+                f"batch's pairs" + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else ""))
     if cfg.training.objective == "sft":
         what = ("sft: cross-entropy over the " + ("tokens" if cfg.data.train_on_prompt else "assistant tokens")
                 + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")

@@ -33,7 +33,7 @@ from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.context import shard_sequence
 from torchmeg.parallel.parallelize import describe_report, parallelize, reshard_after_forward
 from torchmeg.parallel.shards import local_block
-from torchmeg.train.dpo import DPOLoss
+from torchmeg.train.dpo import DPOLoss, loss_terms
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -76,7 +76,7 @@ def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
     every call: FSDP's unsharded one after the forward) chunk by chunk: torchmeg.kernels.fused_ce."""
     sft = cfg.training.objective == "sft"
     if cfg.training.objective == "dpo":  # (the fused head is refused with dpo: it needs per-row log-probs)
-        return DPOLoss(cfg.training.dpo_beta, cfg.training.dpo_loss_type)
+        return DPOLoss(cfg.training.dpo_beta, loss_terms(cfg), cfg.dpo.label_smoothing)
     if built is not None and built.head is not None:
         module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
         mean_over = "sum" if sft else "positions" if cfg.data.mask_eod_loss else "targets"
@@ -210,17 +210,23 @@ class ModelStep:
 
 def count_targets(ms: ModelStep, batches) -> None:
     """sft: the global batch's target count (this rank's from its host-side labels, summed over the
-    dp x cp group, each cp rank having counted the same whole sequences) sets the loss scale. One
-    small all-reduce and one host read per step, before the forward."""
-    if ms.targets is None:
+    dp x cp group, each cp rank having counted the same whole sequences) sets the loss scale; dpo with
+    an "sft" term: that of the chosen rows (every other row). One small all-reduce and one host read
+    per step, before the forward."""
+    dpo = ms.pairs is not None and ms.pairs.counts_chosen
+    if ms.targets is None and not dpo:
         return
-    n = torch.tensor([float(sum(int((b[1] != IGNORE).sum()) for b in batches))], device=ms.device)
+    rows = slice(0, None, 2) if dpo else slice(None)
+    n = torch.tensor([float(sum(int((b[1][rows] != IGNORE).sum()) for b in batches))], device=ms.device)
     world = 1
     if ms.loss_group is not None:
         dist.all_reduce(n, group=ms.loss_group)
         world = dist.get_world_size(ms.loss_group)
     total = n.item() / ms.cp
-    ms.targets.scale = world * ms.loss_calls / max(total, 1.0)
+    if dpo:
+        ms.pairs.sft_scale = world * ms.loss_calls / max(total, 1.0)
+    else:
+        ms.targets.scale = world * ms.loss_calls / max(total, 1.0)
 
 
 def _scalar(t) -> torch.Tensor:

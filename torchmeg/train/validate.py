@@ -27,6 +27,7 @@ from torchmeg.models.attention import check_document_masking
 from torchmeg.models.spec import get_spec
 from torchmeg.parallel import context, expert, pipeline
 from torchmeg.parallel.dims import ParallelDims
+from torchmeg.train.dpo import LOSS_TYPES, loss_terms
 
 
 def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> Layout:
@@ -77,9 +78,23 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
 
 
 def _check_dpo(cfg, dims) -> None:
-    """What training.objective = "dpo" does not take (yet), each refused naming the key."""
+    """The loss types and weights; what training.objective = "dpo" does not take (yet), each refused naming the key."""
     if cfg.training.objective != "dpo":
         return
+    terms = loss_terms(cfg)
+    for kind, _ in terms:
+        if kind not in LOSS_TYPES:
+            raise ConfigError(f"training.dpo_loss_type = {cfg.training.dpo_loss_type!r}: unknown type {kind!r}; "
+                              f"allowed: {', '.join(LOSS_TYPES)} (several joined by ',')")
+    if cfg.dpo.loss_weights and len(cfg.dpo.loss_weights) != len(cfg.training.dpo_loss_type.split(",")):
+        raise ConfigError(f"dpo.loss_weights = {cfg.dpo.loss_weights}: one weight per training.dpo_loss_type term "
+                          f"({cfg.training.dpo_loss_type!r}), or [] for all 1")
+    if "exo_pair" in cfg.training.dpo_loss_type and cfg.dpo.label_smoothing == 0:
+        raise ConfigError("dpo.label_smoothing = 0 with training.dpo_loss_type exo_pair: its loss needs a share of "
+                          "flipped preferences in (0, 0.5), e.g. 1e-3")
+    if cfg.dpo.label_smoothing >= 0.5:
+        raise ConfigError(f"dpo.label_smoothing = {cfg.dpo.label_smoothing}: must be below 0.5")
+    _check_checkpoint_path(cfg.dpo.reference_path, "dpo.reference_path")
     for key, value, bad in (("parallelism.pipeline_parallel_degree", dims.pp, dims.pp > 1),
                             ("parallelism.context_parallel_degree", dims.cp, dims.cp > 1),
                             ("training.fused_linear_cross_entropy", True, cfg.training.fused_linear_cross_entropy),
@@ -126,7 +141,12 @@ def _check_initial_path(cfg) -> None:
                           f"checkpoints resume it; the initial weights are read only when there are none)")
     if c.initial_load_hf:
         raise ConfigError("checkpoint.initial_load_path and checkpoint.initial_load_hf: give one starting point")
-    if not (os.path.isfile(os.path.join(where, MARKER)) or (os.path.isdir(where) and committed_steps(where))):
-        raise ConfigError(f"checkpoint.initial_load_path = {where!r}: no committed checkpoint there (a step-* folder "
-                          f"or a checkpoint folder holding one); train the model it names first, or set it to \"\"")
+    _check_checkpoint_path(where, "checkpoint.initial_load_path")
+
+
+def _check_checkpoint_path(where: str, key: str) -> None:
+    """`key` names a committed step folder or a checkpoint folder holding one ('' = none)."""
+    if where and not (os.path.isfile(os.path.join(where, MARKER)) or (os.path.isdir(where) and committed_steps(where))):
+        raise ConfigError(f"{key} = {where!r}: no committed checkpoint there (a step-* folder or a checkpoint folder "
+                          f"holding one); train the model it names first, or set it to \"\"")
 
