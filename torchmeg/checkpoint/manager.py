@@ -187,14 +187,10 @@ class CheckpointManager:
         if candidates:
             raise CheckpointError(f"checkpoint.folder {self.folder}: no intact checkpoint left (damaged ones are "
                                   f"renamed *.damaged); move them away to start from scratch")
-        if self.c.initial_load_path:
-            self._load_initial(self.c.initial_load_path)
+        if self.c.initial_load_path:  # another run's model weights, nothing else: step 0, a fresh optimizer and data
+            self.loaded_from = self.loaded_initial = load_model_from(self.model, self.c.initial_load_path,
+                                                                     "checkpoint.initial_load_path")
         return None
-
-    def _load_initial(self, where: str) -> None:
-        """checkpoint.initial_load_path: the model weights of another run's checkpoint (any layout saved
-        it), nothing else: step 0, a fresh optimizer and data position (fine-tuning a pretrained model)."""
-        self.loaded_from = self.loaded_initial = load_model_from(self.model, where, "checkpoint.initial_load_path")
 
     def _try_load(self, path: str, step: int) -> str | None:
         """Load `path`; None if it is whole and finite, else the problem (one line, the same on
