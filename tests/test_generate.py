@@ -176,7 +176,8 @@ def test_fsdp2_checkpoint_generates_what_one_process_saves(tmp_path):
     process (plain tensors): generation from each gives the same tokens."""
     import torch.distributed.checkpoint as dcp
 
-    from torchmeg.checkpoint.manager import MARKER, ModelState
+    from torchmeg.checkpoint.manager import MARKER
+    from torchmeg.checkpoint.states import ModelState
     args = TINY + ["--training.steps=8", "--checkpoint.enable=true", "--checkpoint.interval=8",
                    "--training.local_batch_size=2", "--parallelism.data_parallel_shard_degree=2"]
     run_cli(args, tmp_path, nproc=2, name="fsdp")

@@ -29,6 +29,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
+from torchmeg.checkpoint import lora_export
 from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, file_records, step_dir, tmp_dir
 from torchmeg.checkpoint.hf import (from_hf_state_dict, hf_config, hf_names, to_hf_state_dict, torchmeg_fqn,
                                     write_safetensors)
@@ -37,6 +38,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.models.args import model_args
+from torchmeg.models.lora import SUFFIX, is_adapter
 from torchmeg.runtime.guard import cli_main
 
 PROG = "torchmeg.convert"
@@ -184,6 +186,11 @@ def from_hf(a) -> None:
         dist.destroy_process_group()
 
 
+def _empty(meta, fqn: str) -> torch.Tensor:
+    """A tensor for DCP to load checkpoint tensor `model.<fqn>` into."""
+    return torch.empty(tuple(meta[f"model.{fqn}"].size), dtype=meta[f"model.{fqn}"].properties.dtype)
+
+
 def to_hf(a, overrides: list[str]) -> None:
     cfg = load_config(a.config, overrides)
     if cfg.model.name not in ("llama", "moe", "deepseek_v3"):
@@ -203,6 +210,12 @@ def to_hf(a, overrides: list[str]) -> None:
     fqns = sorted(k[len("model."):] for k in meta if k.startswith("model.") and (keep_bias or not k.endswith("expert_bias")))
     if args.tie_embeddings:
         fqns = [f for f in fqns if f != "output.weight"]
+    adapters = [f for f in fqns if is_adapter(f)]  # LoRA: merged into their bases, or a PEFT folder beside them
+    fqns = [f for f in fqns if not is_adapter(f)]
+    if adapters and not cfg.lora.enable:
+        raise ConfigError(f"{path} holds LoRA adapters: give the recipe they were trained with (lora.enable = true, "
+                          f"its lora.rank and lora.alpha)")
+    scale = cfg.lora.alpha / cfg.lora.rank
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:
@@ -218,11 +231,16 @@ def to_hf(a, overrides: list[str]) -> None:
     names = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     weight_map = {}
     for i, group in enumerate(files):
-        sd = {f: torch.empty(tuple(meta[f"model.{f}"].size), dtype=meta[f"model.{f}"].properties.dtype) for f in group}
+        sd = {f: _empty(meta, f) for f in group}
         weight_map.update({h: names[i] for f in group for h in hf_names(f, args)})
         if i % world != rank:
             continue
+        if a.merge_lora:
+            sd.update({f: _empty(meta, f) for f in adapters if f.split(SUFFIX + ".")[0] + ".weight" in sd})
         dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
+        if a.merge_lora:
+            base, pairs = lora_export.split(sd)
+            sd = lora_export.merge(base, pairs, scale)
         tensors = {h: t.to(getattr(torch, a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
         write_safetensors(tensors, out, names[i])
     if rank == 0:
@@ -232,7 +250,15 @@ def to_hf(a, overrides: list[str]) -> None:
         config["torch_dtype"] = a.dtype
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)
-        print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})")
+        print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})"
+              + (f"; {len(adapters) // 2} LoRA adapters merged" if adapters and a.merge_lora else ""))
+        if adapters and not a.merge_lora:
+            sd = {f: _empty(meta, f) for f in adapters}
+            dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
+            folder = os.path.join(out, lora_export.ADAPTER_DIR)
+            lora_export.save_peft(lora_export.split(sd)[1], args, cfg.lora, folder, False, out, getattr(torch, a.dtype))
+            print(f"wrote {folder}: {len(adapters) // 2} LoRA adapters in PEFT's format "
+                  f"(PeftModel.from_pretrained(base, '{folder}'); --merge-lora merges them instead)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--family", default="auto", choices=["auto", "hf"], help="from-hf: hf = transformers' modules")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: size of each safetensors file")
+    ap.add_argument("--merge-lora", action="store_true", help="to-hf: LoRA adapters merged into the weights "
+                                                               "(default: a PEFT adapter folder beside them)")
     a, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
 
     def prepare():

@@ -12,13 +12,13 @@ import os
 import re
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from torchmeg.checkpoint.manager import all_finite
 from torchmeg.config.errors import ConfigError
+from torchmeg.models.lora import is_adapter
 
 _NAMES = [  # torchmeg pattern -> HF pattern
     (r"tok_embeddings\.weight", "model.embed_tokens.weight"),
@@ -329,20 +329,6 @@ def load_hf(folder: str, args) -> dict:
     return from_hf_state_dict(sd, args)
 
 
-def export_hf(model, args, cfg, folder: str) -> None:
-    """Gather the full model on rank 0 and write it as an HF folder (LlamaForCausalLM for `llama`,
-    the model's own class for `hf`)."""
-    name = cfg.model.name
-    if name not in ("llama", "hf"):
-        raise ValueError("checkpoint.export_hf supports model.name = 'llama' and 'hf'")
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        dtype = getattr(torch, cfg.checkpoint.export_dtype)
-        (save_hf if name == "llama" else save_hf_native)(sd, args, folder, dtype)
-        print(f"[checkpoint] HF safetensors written to {folder}", flush=True)
-    dist.barrier()
-
-
 def save_hf_native(sd: dict, args, folder: str, dtype: torch.dtype = torch.float32) -> None:
     """A model.name = 'hf' state dict (already in HF names) + its config, as transformers saves them:
     loads with AutoModelForCausalLM.from_pretrained(folder). A tied LM head is stored once."""
@@ -357,7 +343,7 @@ def load_hf_native(model, folder: str) -> int:
     """Load an HF safetensors folder into a (parallelized, materialised) model.name = 'hf' model.
     DCP's HuggingFaceStorageReader plans the reads: each rank reads only the slices of its own
     shards (FSDP / TP DTensors). Returns the number of tensors loaded."""
-    sd = get_model_state_dict(model)
+    sd = {k: v for k, v in get_model_state_dict(model).items() if not is_adapter(k)}  # (LoRA: the base's only)
     if getattr(model, "args", None) is not None and model.args.tie_embeddings:
         sd.pop("lm_head.weight", None)  # stored once, under the embedding's name
     dcp.load(sd, storage_reader=dcp.HuggingFaceStorageReader(folder))

@@ -31,15 +31,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from torchmeg.checkpoint import resume
 from torchmeg.checkpoint.folder import (MARKER, PENDING, commit_folder, committed_steps, file_records,
                                         incomplete_write, resolve_folder, set_aside, step_dir, tmp_dir, verify_files,
                                         write_json)
+from torchmeg.checkpoint.states import ModelState, OptimizerState, optimizer_tensors
 from torchmeg.config.errors import CheckpointError, ConfigError
 from torchmeg.runtime.process import collectives_in_one_thread
 
@@ -82,35 +80,6 @@ def all_finite(tensors) -> bool:
             break
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
-
-
-class ModelState(Stateful):
-    def __init__(self, model, options=None):
-        self.model, self.options = model, options or StateDictOptions()
-
-    def state_dict(self):
-        return get_model_state_dict(self.model, options=self.options)
-
-    def load_state_dict(self, sd):
-        set_model_state_dict(self.model, sd, options=StateDictOptions(strict=True))
-
-
-class OptimizerState(Stateful):
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def load_state_dict(self, sd):
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
-
-
-def _optimizer_tensors(optimizer):
-    for state in optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor) and v.ndim > 0:
-                yield v
 
 
 class CheckpointManager:
@@ -203,7 +172,7 @@ class CheckpointManager:
                                             self.c.remap_data_position)
         recipe = resume.recipe_groups(self.optimizer)
         failed = _load_checked(path, self._states(model_only=meta.get("model_only", False)),
-                               lambda: list(self.model.parameters()) + list(_optimizer_tensors(self.optimizer)))
+                               lambda: list(self.model.parameters()) + list(optimizer_tensors(self.optimizer)))
         if failed:
             return failed[1] if failed[0] == "load" else "non-finite values in the loaded weights or optimizer state"
         if meta.get("model_only"):
@@ -333,7 +302,7 @@ def load_model_from(model, where: str, key: str) -> str:
     problem, _ = _read_marker(path)
     if problem:
         raise CheckpointError(f"{key} = {where!r}: {path} is damaged ({problem})")
-    failed = _load_checked(path, {"model": ModelState(model)}, lambda: list(model.parameters()))
+    failed = _load_checked(path, {"model": ModelState(model, base_only=True)}, lambda: list(model.parameters()))
     if failed:
         why = failed[1] if failed[0] == "load" else "non-finite values in the weights"
         raise CheckpointError(f"{key} = {where!r}: {path} cannot be loaded ({why})")

@@ -56,6 +56,9 @@ def _check_special(cfg: Config) -> None:
     em = cfg.float8.emulate
     if isinstance(em, str) and em != "auto":
         raise ConfigError(f"float8.emulate = {em!r}: must be \"auto\", true or false")
+    if cfg.lora.enable and cfg.float8.enable:
+        raise ConfigError("lora.enable with float8.enable: not supported (float8 would convert the adapters' rank-r "
+                          "Linears too); train LoRA in bf16 (training.mixed_precision = \"bf16\")")
     comps = cfg.compile.components
     bad = [c for c in comps if c not in ("model", "loss")]
     if bad:

@@ -223,3 +223,14 @@ class Dpo:
     label_smoothing: float = _f(0.0, lo=0.0, hi=0.5, help="dpo: the share of flipped preferences assumed (robust, "
                                                           "exo_pair: TRL's label_smoothing)")
 
+
+@dataclass
+class Lora:
+    enable: bool = _f(False, help="LoRA: the model frozen, low-rank adapters beside the target Linears trained")
+    rank: int = _f(16, lo=1, help="r: the adapters' inner dimension")
+    alpha: float = _f(32.0, lo=0.0, help="the update is scaled by alpha / rank (PEFT's lora_alpha)")
+    dropout: float = _f(0.0, lo=0.0, hi=0.99, help="dropout on the adapters' input (PEFT's lora_dropout)")
+    target_modules: list = _f(["all-linear"], help="module patterns ('*' one name: 'layers.*.attention.wq'), or "
+                                                    "'all-linear': every Linear in the blocks but MoE routers")
+    merge_on_export: bool = _f(False, help="checkpoint.export_hf writes the merged weights instead of base + adapter")
+

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from torchmeg.checkpoint.manager import ModelState
+from torchmeg.checkpoint.states import ModelState
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.args import model_args
 from torchmeg.models.deepseek_v3 import DeepSeekV3Args

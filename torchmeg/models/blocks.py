@@ -10,6 +10,12 @@ from __future__ import annotations
 from torch import nn
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def canonical_fqn(fqn: str) -> str:
+    """The model's own name for a parameter, without compile/recompute/FSDP wrapper components."""
+    return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)
 
 
 def _n_params(module: nn.Module) -> int:

@@ -22,20 +22,24 @@ def flops_per_token(model: nn.Module, args, seq_len: int) -> int:
     """Training FLOPs per token: 6 x matmul weights + 6 x layers x heads x (qk + v head dims) x seq_len.
 
     The first term is forward (2N) + backward (4N) over every nn.Linear weight (embedding lookups
-    are not matmuls; a tied output counts as a matmul); the second is QK^T and AV over the full
-    (non-causal) score matrix, the PaLM convention (Chowdhery et al. 2022, appendix B).
+    are not matmuls; a tied output counts as a matmul); a frozen weight (LoRA's base) costs 4, its
+    own gradient never computed. The second is QK^T and AV over the full (non-causal) score matrix,
+    the PaLM convention (Chowdhery et al. 2022, appendix B).
     """
     seen, n = set(), 0
     for m in model.modules():
+        w, count = None, 0
         if isinstance(m, nn.Linear) and id(m.weight) not in seen:
             seen.add(id(m.weight))
-            n += m.weight.numel()
+            w, count = m.weight, m.weight.numel()
         elif _experts(m):  # only top_k of the experts run
             total, top_k, n_experts = _experts(m)
-            n += total * top_k // n_experts
+            w, count = next(m.parameters()), total * top_k // n_experts
+        if w is not None:
+            n += count * (6 if w.requires_grad else 4)
     qk, v = getattr(args, "attention_head_dims", (args.head_dim, args.head_dim))
     layers = args.n_layers + getattr(args, "mtp_depth", 0)
-    return 6 * n + 6 * layers * args.n_heads * (qk + v) * seq_len
+    return n + 6 * layers * args.n_heads * (qk + v) * seq_len
 
 
 def active_params(model: nn.Module) -> int:

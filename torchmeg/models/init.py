@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from torchmeg.models import lora
+from torchmeg.models.blocks import canonical_fqn  # noqa: F401 - public here too (torchmeg.models)
 from torchmeg.models.tying import retie, tied_pairs
 
 
@@ -139,14 +141,6 @@ def param_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 63)
 
 
-_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-
-def canonical_fqn(fqn: str) -> str:
-    """The model's own name for a parameter, without compile/recompute/FSDP wrapper components."""
-    return ".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)
-
-
 def init_weights(model: nn.Module, seed: int, block: Callable | None = None) -> None:
     """Initialise every parameter from (seed, FQN) alone, so any layout gets identical weights.
 
@@ -166,7 +160,9 @@ def init_weights(model: nn.Module, seed: int, block: Callable | None = None) -> 
             seen.add(id(p))
             fqn = canonical_fqn(fqn)
             local, offset = block(p) if block is not None else (p, (0,) * p.dim())
-            rule = model.init_rule(fqn) if hasattr(model, "init_rule") else None
+            std = lora.init_std(fqn, p.shape)  # an adapter: PEFT's gaussian init, whatever the model
+            rule = (Normal(std) if std else Constant(0.0)) if std is not None else \
+                model.init_rule(fqn) if hasattr(model, "init_rule") else None
             if rule is not None:
                 fill_block_(local, rule, param_seed(seed, fqn), p.shape, offset)
                 continue

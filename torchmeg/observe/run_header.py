@@ -8,6 +8,7 @@ from torchmeg import __version__
 from torchmeg.runtime import process as runtime
 from torchmeg.kernels.fused_ce import chunk_rows
 from torchmeg.models.count import active_params, count_params
+from torchmeg.models.lora import adapters
 
 
 def header_lines(tr) -> list[str]:
@@ -45,6 +46,7 @@ def header_lines(tr) -> list[str]:
         + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
         *_node_lines(d),
         f"parallel   {tr.built.report}",
+        *_lora_lines(c, whole, n),
         f"init       {tr.init_note}",
         f"batch      {layout.local_batch} {unit} x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
         f"{unit} = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
@@ -54,6 +56,18 @@ def header_lines(tr) -> list[str]:
         f"loss       {_loss_line(c, tr.built, layout)}",
         f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
     ]
+
+
+def _lora_lines(cfg, whole, n: int) -> list[str]:
+    """[lora]: what is trained (the adapters) and what stays frozen (everything else)."""
+    if not cfg.lora.enable:
+        return []
+    found = adapters(whole)
+    trained = sum(p.numel() for a in found.values() for p in a.parameters())
+    lo = cfg.lora
+    return [f"lora       rank {lo.rank}, alpha {lo.alpha:g} (update x{lo.alpha / lo.rank:g}), dropout {lo.dropout:g}: "
+            f"{len(found)} adapters on {', '.join(lo.target_modules)}; {trained / 1e6:.3f}M trainable params "
+            f"({trained / n:.2%} of {n / 1e6:.2f}M), the rest frozen"]
 
 
 def _loss_line(cfg, built, layout) -> str:

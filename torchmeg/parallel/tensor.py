@@ -35,13 +35,14 @@ import inspect
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchmeg.parallel.expert import sum_over_shards
 from torchmeg.parallel.float8 import is_float8_linear
+from torchmeg.models import lora
 from torchmeg.models.blocks import fqn_matches
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
@@ -227,8 +228,14 @@ def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, flo
     """Shard `model` in place over `tp_mesh` following `plan`; tied weights stay tied. Returns
     {pattern: modules matched}."""
     tied = tied_pairs(model)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # (LoRA's base)
     matched: dict = {}
-    parallelize_module(model, tp_mesh, expand_plan(model, plan, sp, loss_parallel, float8_tp, matched))
+    styles = expand_plan(model, plan, sp, loss_parallel, float8_tp, matched)
+    parallelize_module(model, tp_mesh, styles)
+    shard_adapters(model, tp_mesh, styles)
+    for n, p in model.named_parameters():  # SequenceParallel's replicated weights come back trainable
+        if n in frozen:
+            p.requires_grad_(False)
     # parallelize_module replaces each module's parameter separately; re-tie when both sides
     # ended up with the same sharding (embedding rows and output rows are both Shard(0)).
     for src, dst in tied:
@@ -238,3 +245,24 @@ def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, flo
                              f"give both the same plan role")
     retie(model, tied)
     return matched
+
+
+def shard_adapters(model: nn.Module, tp_mesh, styles: dict) -> None:
+    """LoRA adapters (torchmeg.models.lora) follow their base Linear's role, their update added to the
+    base's output before the style's output hook: a column-parallel base (output sharded by rows of W):
+    A replicated, B sharded by its output rows; a row-parallel base (input sharded): A sharded by its
+    input columns, its output a partial sum reduced with the base's, B replicated. A base TP leaves
+    whole keeps plain adapters."""
+    for base, adapter in lora.adapters(model).items():
+        style = styles.get(base)
+        if style is None:
+            continue
+        if isinstance(style, ColwiseParallel):
+            placements = (Replicate(), Shard(0))
+        elif isinstance(style, RowwiseParallel):
+            placements = (Shard(1), Replicate())
+        else:
+            raise ValueError(f"LoRA on {base}: its TP role is not colwise / rowwise; leave it out of "
+                             f"lora.target_modules")
+        for linear, placement in zip((adapter.A, adapter.B), placements):
+            linear.weight = nn.Parameter(distribute_tensor(linear.weight, tp_mesh, [placement]), requires_grad=True)

@@ -24,7 +24,10 @@ from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 from torch.profiler import record_function
 
 from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
+from torchmeg.config.errors import ConfigError
 from torchmeg.config.layout import Layout
+from torchmeg.models import lora
+from torchmeg.models.blocks import find_blocks
 from torchmeg.models.args import instantiate
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.models.init import materialize
@@ -104,6 +107,16 @@ class BuiltModel:
     loss_fn: Callable | None = None  # the loss the pipeline schedule calls (under PP)
 
 
+def add_adapters(model: nn.Module, cfg) -> list[str]:
+    """[lora]: adapters beside the target Linears, everything else frozen -> the targets' FQNs."""
+    names = lora.targets(model, list(cfg.lora.target_modules), find_blocks(model, cfg.model.blocks)[0])
+    if not names:
+        raise ConfigError(f"lora.target_modules = {list(cfg.lora.target_modules)}: matches no nn.Linear of the model "
+                          f"('*' matches one name, e.g. 'layers.*.attention.wq'; or 'all-linear')")
+    lora.attach(model, names, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    return names
+
+
 def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
                          loss_fn: Callable | None = None, schedule: bool = True,
                          storage=contextlib.nullcontext, fused_head: bool | None = None) -> BuiltModel:
@@ -111,6 +124,8 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
     generation passes False: it needs the logits)."""
     spec, dims = layout.spec, layout.dims
     whole = instantiate(spec, layout.args, "meta")
+    if cfg.lora.enable:  # before any split or sharding: the adapters are part of the model every layout takes
+        add_adapters(whole, cfg)
     fused = cfg.training.fused_linear_cross_entropy if fused_head is None else fused_head
     head = {}
 

@@ -1,0 +1,153 @@
+"""LoRA ([lora]): adapters PEFT loads with the same logits (the outside reference), merged exports,
+FSDP2 / TP2 / PP2 / TP2 x FSDP2 = one process, the optimizer holding the adapters only, the base
+frozen, resume exact, SFT with LoRA, and `hf` models."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import FP32_PARITY, ROOT, TINY, assert_parity, assert_tensor_close, read_metrics, reference_run, run_cli
+
+# A learning rate at which the adapters move well away from zero within a few steps (B starts at 0).
+LORA = TINY + ["--lora.enable=true", "--lora.rank=8", "--lora.alpha=16", "--optimizer.lr=1e-2",
+               "--training.steps=4", "--training.deterministic=true", "--training.global_batch_size=8",
+               "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"]
+P = "--parallelism."
+LAYOUTS = {
+    "fsdp2": (2, 4, [P + "data_parallel_shard_degree=2"]),
+    "tp2": (2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
+    "pp2": (2, 8, [P + "pipeline_parallel_degree=2", P + "data_parallel_shard_degree=1",
+                   P + "pipeline_parallel_microbatches=4"]),
+    "tp2_fsdp2": (4, 4, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=2"]),
+}
+
+
+def _checkpoint_tensors(step_dir) -> dict:
+    """Every model tensor of a checkpoint (DCP, read without a process group)."""
+    import torch.distributed.checkpoint as dcp
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    sd = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()
+          if k.startswith("model.") and hasattr(m, "size")}
+    dcp.load(sd, checkpoint_id=str(step_dir), no_dist=True)
+    return sd, meta
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory):
+    return reference_run(tmp_path_factory, LORA + ["--training.local_batch_size=8"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_layout_matches_one_process(name, tmp_path, lora_reference):
+    ranks, local, layout = LAYOUTS[name]
+    run_cli(LORA + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
+    assert_parity(lora_reference, read_metrics(tmp_path))
+
+
+@pytest.mark.slow
+def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tmp_path):
+    """Started from another run's weights: the base weights come out bit-identical, every adapter B
+    moved away from zero, the optimizer's state is exactly two moments per adapter element, and a
+    resumed run equals the uninterrupted one."""
+    run_cli(TINY + ["--checkpoint.enable=true", "--training.steps=2"], tmp_path, name="src")
+    src = tmp_path / "src" / "checkpoint"
+    args = LORA + ["--training.local_batch_size=8", f"--checkpoint.initial_load_path={src}"]
+    p = run_cli(args, tmp_path, name="ft")
+    assert "lora       rank 8" in p.stdout and "the rest frozen" in p.stdout, p.stdout[:3000]
+    start, _ = _checkpoint_tensors(src / "step-00000002")
+    end, meta = _checkpoint_tensors(tmp_path / "ft" / "checkpoint" / "step-00000004")
+    adapters = {k: v for k, v in end.items() if "_lora." in k}
+    assert len(adapters) == 2 * 7 * 2  # A and B beside wq wk wv wo w1 w2 w3 of 2 layers
+    for k, v in start.items():
+        assert torch.equal(v, end[k]), k  # frozen
+    assert all(v.abs().max() > 1e-3 for k, v in adapters.items() if k.endswith("B.weight"))
+    moments = sum(m.size.numel() for k, m in meta.items() if k.startswith("optimizer.state.")
+                  and k.endswith(("exp_avg", "exp_avg_sq")))
+    assert moments == 2 * sum(v.numel() for v in adapters.values())
+    # resumed from step 2 = the uninterrupted run (the adapters and their moments restored)
+    run_cli(args + ["--training.steps=2"], tmp_path, name="re")
+    run_cli(args, tmp_path, name="re")
+    assert_parity(read_metrics(tmp_path, "ft")[-2:], read_metrics(tmp_path, "re")[-2:], steps={3, 4})
+
+
+@pytest.mark.slow
+def test_peft_loads_the_adapters_with_torchmegs_logits(tmp_path):
+    """A LoRA run of a native Llama (q and k rows in torchmeg's RoPE order) -> to-hf: the base folder
+    plus a PEFT adapter folder that peft loads onto it with torchmeg's logits; --merge-lora gives the
+    same logits as plain weights; the base alone does not."""
+    import subprocess
+    import sys
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    from torchmeg.train.build import add_adapters
+    args = LORA + ["--training.local_batch_size=8", "--training.steps=8", "--lr_scheduler.warmup_steps=1"]
+    run_cli(args, tmp_path)
+    ckpt = tmp_path / "run" / "checkpoint"
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text('[lora]\nenable = true\nrank = 8\nalpha = 16.0\n[model]\ndim = 64\nn_layers = 2\nn_heads = 4\n'
+                      'n_kv_heads = 2\nmultiple_of = 64\n')
+    for out, extra in (("hf", []), ("merged", ["--merge-lora"])):
+        p = subprocess.run([sys.executable, "-m", "torchmeg.convert", "to-hf", str(ckpt), "--config", str(recipe),
+                            "--out", str(tmp_path / out)] + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    assert not os.path.exists(tmp_path / "merged" / "adapter")
+    cfg = load_config(str(recipe), [])
+    ours = build_model(cfg, 257, "cpu")
+    add_adapters(ours, cfg)
+    sd = {"model": ours.state_dict()}
+    dcp.load(sd, checkpoint_id=str(ckpt / "step-00000008"), no_dist=True)
+    ours.load_state_dict(sd["model"])
+    x = torch.randint(0, 257, (2, 40), generator=torch.Generator().manual_seed(3))
+    load = lambda f: AutoModelForCausalLM.from_pretrained(str(tmp_path / f)).eval()  # noqa: E731
+    with torch.no_grad():
+        want = ours.eval()(x)
+        peft = PeftModel.from_pretrained(load("hf"), str(tmp_path / "hf" / "adapter")).eval()
+        assert_tensor_close(peft(x).logits, want, FP32_PARITY, "peft's logits vs torchmeg's")
+        assert_tensor_close(load("merged")(x).logits, want, FP32_PARITY, "merged logits vs torchmeg's")
+        base = load("hf")(x).logits
+        assert (base - want).abs().max() > 100 * FP32_PARITY * want.abs().max()  # the adapters matter
+
+
+@pytest.mark.slow
+def test_lora_on_a_transformers_model_exports_for_peft(tmp_path):
+    """model.name = "hf" (transformers' LlamaForCausalLM, its own module names): LoRA on chosen modules,
+    TP2 = one process, and the adapter exported at the end of the run loads in peft with torchmeg's
+    logits of the run's last checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    from torchmeg.train.build import add_adapters
+    common = ["--config", "recipes/hf_llama_debug.toml", "--lora.enable=true", "--lora.rank=4", "--lora.alpha=8",
+              "--lora.target_modules=['model.layers.*.self_attn.q_proj', 'model.layers.*.mlp.down_proj']",
+              "--training.steps=6", "--optimizer.lr=1e-2", "--lr_scheduler.warmup_steps=1", "--data.seq_len=64",
+              "--training.local_batch_size=4", "--validation.enable=false", "--metrics.enable_tensorboard=false",
+              "--checkpoint.enable=true", "--checkpoint.interval=6", "--training.deterministic=true"]
+    p = run_cli(common + ["--checkpoint.export_hf=true"], tmp_path, name="one")
+    assert "8 adapters on model.layers.*.self_attn.q_proj" in p.stdout, p.stdout[:3000]
+    run_cli(common + [P + "tensor_parallel_degree=2"], tmp_path, nproc=2, name="tp")
+    assert_parity(read_metrics(tmp_path, "one"), read_metrics(tmp_path, "tp"), keys=("loss", "grad_norm"))
+    hf = tmp_path / "one" / "checkpoint" / "hf"
+    config = json.loads((hf / "adapter" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"])[:2] == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
+    cfg = load_config(os.path.join(ROOT, "recipes/hf_llama_debug.toml"), [a for a in common[2:] if a.startswith("--lora")])
+    ours = build_model(cfg, 257, "cpu")
+    add_adapters(ours, cfg)
+    sd = {"model": ours.state_dict()}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "one" / "checkpoint" / "step-00000006"), no_dist=True)
+    ours.load_state_dict(sd["model"])
+    x = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ours.eval()(x)
+        want = want.logits if hasattr(want, "logits") else want
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(hf)), str(hf / "adapter")).eval()
+        assert_tensor_close(peft(x).logits, want, FP32_PARITY, "peft's logits vs torchmeg's")

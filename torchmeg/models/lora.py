@@ -1,0 +1,90 @@
+"""LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3): a frozen
+Linear W gains a trainable low-rank update, h = W x + (alpha / r) · B A dropout(x), A [r, in] and
+B [out, r]; B starts at zero, so the adapted model starts as the base model.
+
+Plain single-device PyTorch, as every model file. The adapter of module `...wq` is a sibling module
+`...wq_lora` (`A`, `B`: nn.Linear without bias) whose output a forward hook adds to the base Linear's:
+the base keeps its own name, weights and TP role, and a tensor-parallel style that shards the base
+(which acts on the module's own parameters, recursively) never touches the adapter; the parallel code
+shards A and B to match the base's role (torchmeg.parallel.tensor). PEFT names the same tensors
+`<module>.lora_A.weight` / `<module>.lora_B.weight` (torchmeg.checkpoint.lora_export).
+
+Initialisation as PEFT's `init_lora_weights="gaussian"`: A ~ N(0, 1/r), B = 0 (`init_std` below,
+applied by torchmeg.models.init from (seed, name) like every parameter).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from torchmeg.models.blocks import canonical_fqn, fqn_matches
+
+SUFFIX = "_lora"
+ALL_LINEAR = "all-linear"
+_ROUTERS = ("router", "gate")  # MoE routers: Linear layers that all-linear leaves alone
+
+
+class LoRA(nn.Module):
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.A = nn.Linear(in_features, rank, bias=False)
+        self.B = nn.Linear(rank, out_features, bias=False)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+
+    def forward(self, x):
+        return self.B(self.A(self.dropout(x))) * self.scale
+
+
+def _add_update(module, args, out):
+    """The base Linear's forward hook. The adapter is found through the module at each call (a plain
+    attribute, not a submodule), so a copy of the model (a pipeline stage) uses its own adapter."""
+    return out + module.lora_adapter(args[0])
+
+
+def targets(model: nn.Module, patterns: list[str], block_root: str) -> list[str]:
+    """FQNs of the nn.Linear modules `patterns` select: module patterns ('*' one name, as TP plans),
+    or "all-linear": every Linear inside the repeated blocks (under `block_root`) but MoE routers, as
+    PEFT's all-linear leaves the output head."""
+    out = []
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear) or fqn.endswith(SUFFIX) or f"{SUFFIX}." in fqn:
+            continue
+        leaf = fqn.rsplit(".", 1)[-1]
+        for p in patterns:
+            if (p == ALL_LINEAR and block_root and fqn.startswith(block_root + ".") and leaf not in _ROUTERS) \
+                    or (p != ALL_LINEAR and fqn_matches(p, fqn)):
+                out.append(fqn)
+                break
+    return out
+
+
+def attach(model: nn.Module, names: list[str], rank: int, alpha: float, dropout: float) -> None:
+    """An adapter beside each named Linear, every other parameter frozen."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for fqn in names:
+        base = model.get_submodule(fqn)
+        parent_name, _, leaf = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        lora = LoRA(base.in_features, base.out_features, rank, alpha, dropout).to(base.weight.device)
+        parent.add_module(leaf + SUFFIX, lora)
+        object.__setattr__(base, "lora_adapter", lora)  # not registered: the base's own parameters stay its own
+        base.register_forward_hook(_add_update)
+
+
+def adapters(model: nn.Module) -> dict[str, LoRA]:
+    """{base module FQN: its adapter} (wrapper components of compile / recompute / FSDP removed)."""
+    return {canonical_fqn(fqn)[:-len(SUFFIX)]: m for fqn, m in model.named_modules() if isinstance(m, LoRA)}
+
+
+def is_adapter(fqn: str) -> bool:
+    return f"{SUFFIX}.A." in fqn or f"{SUFFIX}.B." in fqn
+
+
+def init_std(fqn: str, shape) -> float | None:
+    """PEFT's gaussian init: A ~ N(0, 1/r) (r = A's rows), B = 0 (0.0); None for other parameters."""
+    if fqn.endswith(f"{SUFFIX}.A.weight"):
+        return 1.0 / shape[0]
+    if fqn.endswith(f"{SUFFIX}.B.weight"):
+        return 0.0
+    return None
