@@ -32,11 +32,11 @@ def split(sd: dict) -> tuple[dict, dict]:
 
 
 def merge(base: dict, pairs: dict, scale: float) -> dict:
-    """Base tensors with each adapter's update added: W + scale · B A (float32, then W's dtype)."""
+    """Base tensors with each adapter's update added: W + scale · B A, in float32 (a bf16 base included)."""
     out = dict(base)
     for module, (a, b) in pairs.items():
         w = out[f"{module}.weight"]
-        out[f"{module}.weight"] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+        out[f"{module}.weight"] = w.float() + scale * (b.float() @ a.float())  # cast by the writer
     return out
 
 

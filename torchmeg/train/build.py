@@ -28,6 +28,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.config.layout import Layout
 from torchmeg.models import lora
 from torchmeg.models.blocks import find_blocks
+from torchmeg.models.tying import retie, tied_pairs
 from torchmeg.models.args import instantiate
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.models.init import materialize
@@ -114,6 +115,15 @@ def add_adapters(model: nn.Module, cfg) -> list[str]:
         raise ConfigError(f"lora.target_modules = {list(cfg.lora.target_modules)}: matches no nn.Linear of the model "
                           f"('*' matches one name, e.g. 'layers.*.attention.wq'; or 'all-linear')")
     lora.attach(model, names, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    if cfg.training.mixed_precision == "bf16":
+        # The frozen weights are only ever read in bf16 (the policy casts them for every forward) and
+        # never updated: stored in bf16 they give the same compute and need no fp32 master copy.
+        tied = tied_pairs(model)
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if not p.requires_grad and p.is_floating_point():
+                    module.register_parameter(name, nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False))
+        retie(model, tied)
     return names
 
 
