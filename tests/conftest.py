@@ -226,6 +226,35 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
     return p
 
 
+def byte_level_bpe(path, vocab_size: int, special: list[str]) -> None:
+    """A byte-level BPE trained on two stdlib modules' source, with `special` tokens, saved as
+    `path` (a tokenizer.json, as transformers saves a fast tokenizer's): built here, never downloaded."""
+    import textwrap
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)], trainer)
+    tok.save(str(path))
+
+
+def decoded_runs(decode, ids, mask) -> list[str]:
+    """Each run of consecutive target tokens (mask 1), decoded: what a chat sample trains on."""
+    out, i = [], 0
+    while i < len(mask):
+        if mask[i]:
+            j = i
+            while j < len(mask) and mask[j]:
+                j += 1
+            out.append(decode(ids[i:j].tolist()))
+            i = j
+        else:
+            i += 1
+    return out
+
+
 def read_metrics(tmp_path, name: str = "run") -> list[dict]:
     with open(os.path.join(tmp_path, name, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]

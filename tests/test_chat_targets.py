@@ -15,13 +15,13 @@ The conversations are adversarial: answers that also occur in the template's hea
 whitespace-led and non-ASCII answers; repeated answers; reasoning blocks."""
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import textwrap
 
 import numpy as np
 import pytest
+
+from conftest import byte_level_bpe, decoded_runs
 
 trl = pytest.importorskip("trl")  # the test extra; its templates are the real ones
 TEMPLATE_DIR = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
@@ -68,15 +68,8 @@ def not_prefix(name: str, k: int, messages: list[dict], last_only: bool = False)
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)], trainer)
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
+    byte_level_bpe(path, 400, SPECIAL)
     return path
 
 
@@ -112,17 +105,7 @@ def _prefix_mask(hf, messages, last_only=False):
 
 
 def _spans(hf, ids, mask) -> list[str]:
-    out, i = [], 0
-    while i < len(mask):
-        if mask[i]:
-            j = i
-            while j < len(mask) and mask[j]:
-                j += 1
-            out.append(hf.decode(ids[i:j].tolist()))
-            i = j
-        else:
-            i += 1
-    return out
+    return decoded_runs(hf.decode, ids, mask)
 
 
 @pytest.mark.parametrize("name", TEMPLATES)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, byte_level_bpe, decoded_runs, read_metrics, reference_run, run_cli
 
 # Llama-3-8B-Instruct's template, as its tokenizer_config.json ships it.
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -82,18 +82,9 @@ CONVERSATIONS = [
 def _tokenizer_folder(path, kind: str) -> None:
     """A byte-level BPE (vocab 300) trained on a stdlib module's source, with the templates' special
     tokens, saved as transformers saves a fast tokenizer."""
-    import inspect
-    import textwrap as tw
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     template, bos, eos = TEMPLATES[kind]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([inspect.getsource(tw), inspect.getsource(json)], trainer)
     os.makedirs(path, exist_ok=True)
-    tok.save(os.path.join(path, "tokenizer.json"))
+    byte_level_bpe(os.path.join(path, "tokenizer.json"), 300, SPECIAL)
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": eos,
               "model_max_length": 4096}
     if bos:
@@ -121,16 +112,7 @@ def test_chat_rendering_equals_transformers_and_targets_are_the_answers(kind, tm
         assert ids.tolist() == _hf_ids(tmp_path, messages), messages
         # the targets, decoded: each answer (as the template renders it) and the turn's end; which
         # characters exactly is tests/test_chat_targets.py's (transformers' masks on real templates)
-        spans, i = [], 0
-        while i < len(mask):
-            if mask[i]:
-                j = i
-                while j < len(mask) and mask[j]:
-                    j += 1
-                spans.append(tok.tok.decode(ids[i:j].tolist(), skip_special_tokens=False))
-                i = j
-            else:
-                i += 1
+        spans = decoded_runs(lambda t: tok.tok.decode(t, skip_special_tokens=False), ids, mask)
         answers = [m["content"].split("</think>")[-1].strip() for m in messages if m["role"] == "assistant"]
         squeeze = lambda t: "".join(t.split())  # noqa: E731  (templates differ in trimming answers)
         assert len(spans) == len(answers) and all(squeeze(s).endswith(squeeze(a + end)) for s, a in zip(spans, answers)), \
