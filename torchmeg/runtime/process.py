@@ -184,13 +184,13 @@ def on_each_node(work, what: str):
     a ConfigError there (bad data) leaves no peer in a barrier: every rank raises it (the CLI prints it
     once, from rank 0; every rank exits 2). Rank 0 hosts the store, so it leaves after every rank has
     read (waiting a bounded time). -> work()'s result on a node's local rank 0, else None."""
-    store, (n_nodes, local, node) = guard.job_store(), nodes()
+    store, (n_nodes, _, node) = guard.job_store(), nodes()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if store is None or world == 1:
         return work()
     keys = [f"torchmeg/{what}/node{n}" for n in range(n_nodes)]
     result = None
-    if rank % local == 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         outcome = "ok"
         try:
             result = work()
