@@ -121,6 +121,28 @@ def test_document_masking_runs_flex_attention_on_cuda():
             assert_tensor_close(g.grad.cpu(), c.grad, 2 ** -9, "flex backward")
 
 
+def test_moe_routing_and_experts_never_sync_the_device():
+    """The MoE model's routing counts (models.moe.expert_counts: a scatter-add into a fixed-size
+    buffer) and its grouped experts, forward and backward in bf16 on the GPU, under
+    torch.cuda.set_sync_debug_mode("error"): any device-to-host read (.item(), bincount's size read,
+    nonzero) raises. The check sees such reads: torch.bincount of the same ids raises under it."""
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model, init_weights
+    model = build_model(load_config("recipes/moe_debug.toml", []), 257, "cuda")
+    init_weights(model, seed=0)
+    model = model.to(torch.bfloat16)
+    x = torch.randint(0, 257, (4, 64), device="cuda")
+    model(x).float().pow(2).mean().backward()  # warm-up: the libraries' first calls may sync once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(x).float().pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            torch.bincount(x.flatten())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 @two_gpus
 def test_async_tensor_parallel_matches_plain_tp(tmp_path):
     """Inductor's micro-pipelined TP (symmetric-memory collectives, compile on) trains as plain

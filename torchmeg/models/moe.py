@@ -78,6 +78,13 @@ def grouped_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts_E: torch.Tensor) -> torch.T
     return torch._grouped_mm(h, w2_EHD, offs=offs)
 
 
+def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int64: how many entries of `idx` name each of n experts. A scatter-add into a fixed-size
+    buffer, not torch.bincount, whose CUDA kernel reads the ids' min and max back to the host to size
+    its output (a device sync per call): the count's shape is known, so nothing is read."""
+    return torch.zeros(n, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.flatten(), torch.ones_like(idx.flatten()))
+
+
 def grouped_mm_takes(x_TD: torch.Tensor, w_EDH: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs these operands (torch 2.13): fp32 / bf16 on CPU, bf16 on
     CUDA from sm_90, on fake tensors and under torch.compile; every row 16-byte aligned."""
@@ -212,7 +219,7 @@ class MoE(nn.Module):
             w_TK = w_TK / w_TK.sum(-1, keepdim=True)
         if self.a.route_scale != 1.0:
             w_TK = w_TK * self.a.route_scale
-        counts = torch.bincount(idx_TK.flatten(), minlength=self.a.n_experts)
+        counts = expert_counts(idx_TK, self.a.n_experts)
         if self.record_stats:
             with torch.no_grad():
                 self.tokens_per_expert += counts.float()

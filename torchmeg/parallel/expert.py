@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.hf_causal import is_hf_experts
+from torchmeg.models import moe as moe_model  # (moe_model.expert_counts: the planner answers it on fake tensors)
 from torchmeg.models.moe import expert_ffn, grouped_ffn, grouped_mm_takes, is_grouped_experts
 
 
@@ -120,7 +121,7 @@ class CapacityDispatch(AllToAllDispatch):
         ids = torch.searchsorted(recv_counts.view(ep, El).cumsum(1), row.contiguous(), right=True).clamp(max=El - 1)
         ids = ids.flatten()
         order = ids.argsort(stable=True)
-        sizes = torch.bincount(ids, minlength=El)
+        sizes = moe_model.expert_counts(ids, El)
         x_sorted = x_recv[order]
         if is_hf_experts(experts):
             w = (experts.gate_up_proj.to_local(), experts.down_proj.to_local())
@@ -185,7 +186,7 @@ def _hf_experts_forward(self, hidden_TD: torch.Tensor, top_k_index: torch.Tensor
     T, k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=self.num_experts)
+    counts = moe_model.expert_counts(flat, self.num_experts)
     token = order // k
     y = self.dispatch(self, hidden_TD[token], counts)
     y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)

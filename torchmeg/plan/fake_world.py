@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from torchmeg.models import moe as moe_model
 from torchmeg.parallel.expert import AllToAllDispatch
 
 
@@ -42,29 +43,29 @@ def sharding_propagation_as_in_eager():
 
 @contextlib.contextmanager
 def balanced_routing():
-    """MoE routing counts tokens per expert with torch.bincount, whose output shape (and the
-    splits taken from it) depend on the data, which fake tensors do not have. The plan assumes
-    balanced routing — the state aux-loss-free balancing drives towards — by answering a bincount
-    on fake tensors with real, equal counts (T*K / E each; the remainder to the first experts).
-    Expert parallel's exchange of those counts then has a known answer too: every peer routed
-    alike, so each sends this rank its own counts for this rank's experts (the collective still
-    runs, and is counted, on a scratch buffer)."""
-    saved, exchange = torch.bincount, AllToAllDispatch.exchange_counts
+    """MoE routing counts tokens per expert (torchmeg.models.moe.expert_counts), and the splits taken
+    from those counts depend on the data, which fake tensors do not have. The plan assumes balanced
+    routing — the state aux-loss-free balancing drives towards — by answering a count on fake
+    tensors with real, equal counts (T*K / E each; the remainder to the first experts). Expert
+    parallel's exchange of those counts then has a known answer too: every peer routed alike, so
+    each sends this rank its own counts for this rank's experts (the collective still runs, and is
+    counted, on a scratch buffer)."""
+    saved, exchange = moe_model.expert_counts, AllToAllDispatch.exchange_counts
 
-    def bincount(x, weights=None, minlength=0):
-        if not isinstance(x, FakeTensor) or weights is not None:
-            return saved(x, weights=weights, minlength=minlength)
-        n, k = x.numel(), max(minlength, 1)
+    def expert_counts(idx, n):
+        if not isinstance(idx, FakeTensor):
+            return saved(idx, n)
+        m = idx.numel()
         with unset_fake_temporarily():
-            return torch.tensor([n // k + (1 if e < n % k else 0) for e in range(k)], dtype=torch.int64)
+            return torch.tensor([m // n + (1 if e < m % n else 0) for e in range(n)], dtype=torch.int64)
 
     def balanced_exchange(self, counts_E):
         dist.all_to_all_single(torch.empty_like(counts_E), counts_E, group=self.group)
         with unset_fake_temporarily():
             recv = counts_E.view(self.ep, self.local)[dist.get_rank(self.group)].repeat(self.ep)
         return recv, counts_E.tolist(), recv.tolist()
-    torch.bincount, AllToAllDispatch.exchange_counts = bincount, balanced_exchange
+    moe_model.expert_counts, AllToAllDispatch.exchange_counts = expert_counts, balanced_exchange
     try:
         yield
     finally:
-        torch.bincount, AllToAllDispatch.exchange_counts = saved, exchange
+        moe_model.expert_counts, AllToAllDispatch.exchange_counts = saved, exchange
