@@ -134,6 +134,32 @@ def test_save_killed_before_commit(tmp_path, uninterrupted, damage):
     same(uninterrupted, by_step(read_metrics(tmp_path)))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["marker", "aside", "renamed"])
+def test_killed_between_any_two_commit_steps(tmp_path, uninterrupted, point):
+    """A kill between any two steps of a commit (checkpoint.folder.commit_folder: the marker written
+    into the save, a folder already at the step set aside, the rename, the marker-to-be dropped)
+    leaves the new save whole: the restart resumes from it, leaves nothing behind, and the rest of
+    the run equals the uninterrupted one bit for bit. 'aside' needs a folder already at that step:
+    the run is re-trained from step 5 over its own step 10."""
+    args = BASE + CK + ["--training.local_batch_size=4", "--checkpoint.keep_latest_k=0"]
+    killed = 5
+    if point == "aside":  # steps 5 and 10 committed (killed at 12), then re-trained from 5
+        p = run_cli(args, tmp_path, env={"TORCHMEG_TEST_KILL_AT_STEP": "12"}, check=False)
+        assert p.returncode != 0 and (tmp_path / "run" / "checkpoint" / "step-00000010").is_dir()
+        args_kill, killed = args + ["--checkpoint.load_step=5"], 10
+    else:
+        args_kill = args
+    p = run_cli(args_kill, tmp_path, env={"TORCHMEG_TEST_KILL_IN_COMMIT": point}, check=False)
+    assert p.returncode == 17, p.stderr[-2000:]
+    folder = tmp_path / "run" / "checkpoint"
+    p = run_cli(args, tmp_path)
+    assert f"resumed   from step {killed}" in p.stdout, (point, p.stdout[-2000:])
+    assert sorted(os.listdir(folder)) == [f"step-{s:08d}" for s in (5, 10, 15, 20)], os.listdir(folder)
+    assert not any((folder / n / "torchmeg.pending.json").exists() for n in os.listdir(folder))
+    same(uninterrupted, by_step(read_metrics(tmp_path)))
+
+
 def test_keep_latest_k_prunes_after_commit(tmp_path):
     run_cli(BASE + CK + ["--training.local_batch_size=4", "--checkpoint.keep_latest_k=2"], tmp_path)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoint")) == ["step-00000015", "step-00000020"]

@@ -84,17 +84,30 @@ def write_json(path: str, obj: dict) -> None:
 
 
 def commit_folder(tmp: str, final: str, meta: dict, files: dict | None) -> None:
-    """One process: torchmeg.json (meta + the files' records) written into `tmp`, the marker-to-be
-    dropped, `tmp` renamed to `final`. A folder already at `final` (an incomplete one, or one a
-    resume re-trains over) never blocks the commit and is never lost before it: set aside, commit,
-    then delete it."""
+    """One process commits save folder `tmp` as `final`, in an order where a kill at any point leaves
+    the previous save or the new one whole, and the next start finds which (CheckpointManager._recover):
+    torchmeg.json (meta + the files' records) written into `tmp` — a kill now: `tmp` is whole and
+    committed at the next start; a folder already at `final` (an incomplete one, or one a resume
+    re-trains over) set aside, never lost before the commit — a kill now: `tmp` committed, the
+    set-aside folder then deleted, or put back if `tmp` is not whole; `tmp` renamed to `final`, the
+    commit — a kill now leaves only the marker-to-be behind, removed at the next start; then the
+    marker-to-be dropped and the set-aside folder deleted."""
     write_json(os.path.join(tmp, MARKER), dict(meta, files=files))
-    if os.path.exists(os.path.join(tmp, PENDING)):
-        os.remove(os.path.join(tmp, PENDING))
+    _test_kill_in_commit("marker")
     old = set_aside(final, ".replaced") if os.path.exists(final) else None
+    _test_kill_in_commit("aside")
     os.replace(tmp, final)
+    _test_kill_in_commit("renamed")
+    if os.path.exists(os.path.join(final, PENDING)):
+        os.remove(os.path.join(final, PENDING))
     if old:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _test_kill_in_commit(point: str) -> None:
+    """Tests: TORCHMEG_TEST_KILL_IN_COMMIT=marker | aside | renamed dies at that point of a commit."""
+    if os.environ.get("TORCHMEG_TEST_KILL_IN_COMMIT") == point:
+        os._exit(17)
 
 
 def verify_files(path: str, files: dict | None, mine: list[str]) -> str | None:

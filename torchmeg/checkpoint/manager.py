@@ -118,7 +118,8 @@ class CheckpointManager:
             if problem is None and not os.path.exists(step_dir(self.folder, step)):
                 with open(os.path.join(tmp, PENDING)) as fh:
                     meta = json.load(fh)
-                files = file_records(tmp, [n for n in os.listdir(tmp) if n != PENDING]) if self.c.verify else None
+                files = file_records(tmp, [n for n in os.listdir(tmp) if n not in (PENDING, MARKER)]) \
+                    if self.c.verify else None
                 self._publish(tmp, step_dir(self.folder, step), meta, files)
                 print(f"[checkpoint] step {step}: its save was written in full before the last run ended, but "
                       f"not committed; committed now", flush=True)
@@ -126,6 +127,17 @@ class CheckpointManager:
                 shutil.rmtree(tmp, ignore_errors=True)
                 print(f"[checkpoint] removed {name}: an interrupted save ({problem or 'step already committed'})",
                       flush=True)
+        for name in sorted(os.listdir(self.folder)):  # what a commit killed midway leaves besides
+            path = os.path.join(self.folder, name)
+            base = name.split(".replaced")[0]
+            if ".replaced" in name:  # set aside for a commit: gone if that commit happened, else put back
+                final = os.path.join(self.folder, base)
+                if os.path.exists(final):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    os.replace(path, final)
+            elif os.path.isfile(os.path.join(path, MARKER)) and os.path.isfile(os.path.join(path, PENDING)):
+                os.remove(os.path.join(path, PENDING))  # committed; only its marker-to-be was left
 
     def _states(self, model_only: bool = False) -> dict:
         if model_only:
