@@ -243,3 +243,23 @@ def test_hf_moe_trains_on_one_process_fsdp2_and_tp2(tmp_path):
                         "--parallelism.data_parallel_shard_degree=1"], tmp_path, name="tp", nproc=2)
     assert_parity(one, read_metrics(tmp_path, "tp"))
     assert "MoE experts run whole on every TP rank" in p.stdout, p.stdout[-2000:]
+
+
+def test_a_bf16_release_converts_to_bf16_by_default(tmp_path):
+    """A folder whose config.json says bfloat16 (as most releases) converts to a bf16 checkpoint, not
+    one twice its size; --dtype float32 asks for float32; the converted recipe trains from either."""
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    _hf_folder(tmp_path / "fp32", "qwen3")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp32"), dtype=torch.bfloat16)
+    model.save_pretrained(str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()).get("dtype") == "bfloat16"
+    for out, extra, want in (("auto", [], torch.bfloat16), ("f32", ["--dtype", "float32"], torch.float32)):
+        _convert("from-hf", tmp_path / "hf", "--out", tmp_path / out, *extra)
+        meta = dcp.FileSystemReader(str(tmp_path / out / "checkpoint" / "step-00000000")).read_metadata()
+        dtypes = {m.properties.dtype for k, m in meta.state_dict_metadata.items() if k.startswith("model.")}
+        assert dtypes == {want}, (out, dtypes)
+    run_cli(["--config", str(tmp_path / "auto" / "recipe.toml"), "--training.steps=1", "--data.seq_len=32",
+             "--training.local_batch_size=2", "--validation.enable=false", "--metrics.enable_tensorboard=false"],
+            tmp_path, name="ft")
+    assert read_metrics(tmp_path, "ft")[0]["loss"] > 0

@@ -1,4 +1,4 @@
-"""python -m torchmeg.convert from-hf FOLDER --out DIR [--family auto|hf] [--dtype float32|bfloat16]
+"""python -m torchmeg.convert from-hf FOLDER --out DIR [--family auto|hf] [--dtype auto|float32|bfloat16|float16]
        python -m torchmeg.convert to-hf CHECKPOINT --config RECIPE --out DIR [--max-shard-gb G] [--section.key=value ...]
 
 from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
@@ -152,7 +152,7 @@ def from_hf(a) -> None:
     hf_config(args) if hasattr(args, "n_experts") else None  # (a moe outside Qwen3-MoE's shape: refused now)
     ckpt = os.path.join(out, "checkpoint")
     tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)
-    dtype = getattr(torch, a.dtype)
+    dtype = _dtype(a.dtype, config)
     state = {}
     for fqn in targets[rank::world]:  # one torchmeg tensor at a time, from its HF tensor(s) in their files
         parts = {}
@@ -184,6 +184,17 @@ def from_hf(a) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _dtype(name: str, config: dict | None = None) -> torch.dtype:
+    """--dtype: float32 / bfloat16 / float16, or auto: the folder's config.json `dtype` (`torch_dtype`
+    before transformers 5) for from-hf — a bf16 release stays bf16 on disk — and float32 for to-hf."""
+    if name == "auto":
+        name = str((config or {}).get("dtype") or (config or {}).get("torch_dtype") or "float32")
+        if name not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"config.json dtype {name!r}: torchmeg converts float32, bfloat16 and float16 "
+                              f"weights; give --dtype")
+    return getattr(torch, name)
 
 
 def _empty(meta, fqn: str) -> torch.Tensor:
@@ -219,7 +230,7 @@ def to_hf(a, overrides: list[str]) -> None:
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:
-        n = meta[f"model.{f}"].size.numel() * torch.finfo(getattr(torch, a.dtype)).bits // 8
+        n = meta[f"model.{f}"].size.numel() * torch.finfo(_dtype(a.dtype)).bits // 8
         if files[-1] and size + n > limit:
             files.append([])
             size = 0
@@ -241,13 +252,13 @@ def to_hf(a, overrides: list[str]) -> None:
         if a.merge_lora:
             base, pairs = lora_export.split(sd)
             sd = lora_export.merge(base, pairs, scale)
-        tensors = {h: t.to(getattr(torch, a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
+        tensors = {h: t.to(_dtype(a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
         write_safetensors(tensors, out, names[i])
     if rank == 0:
-        total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(getattr(torch, a.dtype)).bits // 8
+        total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(_dtype(a.dtype)).bits // 8
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=1)
-        config["torch_dtype"] = a.dtype
+        config["torch_dtype"] = str(_dtype(a.dtype)).replace("torch.", "")
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)
         print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})"
@@ -256,7 +267,7 @@ def to_hf(a, overrides: list[str]) -> None:
             sd = {f: _empty(meta, f) for f in adapters}
             dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
             folder = os.path.join(out, lora_export.ADAPTER_DIR)
-            lora_export.save_peft(lora_export.split(sd)[1], args, cfg.lora, folder, False, out, getattr(torch, a.dtype))
+            lora_export.save_peft(lora_export.split(sd)[1], args, cfg.lora, folder, False, out, _dtype(a.dtype))
             print(f"wrote {folder}: {len(adapters) // 2} LoRA adapters in PEFT's format "
                   f"(PeftModel.from_pretrained(base, '{folder}'); --merge-lora merges them instead)")
 
@@ -269,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default=None, help="to-hf: the recipe the checkpoint was trained with")
     ap.add_argument("--family", default="auto", choices=["auto", "hf"], help="from-hf: hf = transformers' modules")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="from-hf: auto = the folder's config.json dtype; to-hf: auto = float32")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: size of each safetensors file")
     ap.add_argument("--merge-lora", action="store_true", help="to-hf: LoRA adapters merged into the weights "
                                                                "(default: a PEFT adapter folder beside them)")
