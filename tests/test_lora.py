@@ -124,6 +124,12 @@ def test_peft_loads_the_adapters_with_torchmegs_logits(tmp_path):
                             "--out", str(tmp_path / out)] + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())["r"] == 8
+    # generating from the checkpoint without [lora] would run the base alone: refused in one line
+    p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
+                        f"--job.dump_folder={tmp_path}", "--job.name=run",
+                        "--prompt", "x", "--max-new-tokens", "2"] + [a for a in TINY if a.startswith("--model.")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "lora.enable = true" in p.stderr.strip().splitlines()[-1], p.stderr[-2000:]
     assert not os.path.exists(tmp_path / "merged" / "adapter")
     cfg = load_config(str(recipe), [])
     ours = build_model(cfg, 257, "cpu")

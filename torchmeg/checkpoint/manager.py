@@ -39,6 +39,7 @@ from torchmeg.checkpoint.folder import (MARKER, PENDING, commit_folder, committe
                                         write_json)
 from torchmeg.checkpoint.states import ModelState, OptimizerState, optimizer_tensors
 from torchmeg.config.errors import CheckpointError, ConfigError
+from torchmeg.models.lora import is_adapter
 from torchmeg.runtime.process import collectives_in_one_thread
 
 __all__ = ["MARKER", "CheckpointManager", "all_finite", "committed_steps", "resolve_folder", "step_dir"]
@@ -342,6 +343,9 @@ def load_model_weights(cfg, model, tokenizer: str = "", state=None) -> tuple[int
     if saved and tokenizer and saved != tokenizer:
         raise ConfigError(f"checkpoint {path} was trained with tokenizer {saved}, the recipe's data.tokenizer = "
                           f"{cfg.data.tokenizer!r} is {tokenizer}; use the tokenizer the model was trained with")
+    if not cfg.lora.enable and any(is_adapter(k) for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata):
+        raise ConfigError(f"checkpoint {path} holds LoRA adapters: set lora.enable = true with the lora.* keys it was "
+                          f"trained with (else the base model alone would run)")
     failed = _load_checked(path, {"model": state or ModelState(model)}, model.parameters)
     if failed and failed[0] == "load":
         raise CheckpointError(f"checkpoint {path}: its weights do not fit the recipe's model {cfg.model.name}/"
