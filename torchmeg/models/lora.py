@@ -6,7 +6,7 @@ Plain single-device PyTorch, as every model file. The adapter of module `...wq` 
 `...wq_lora` (`A`, `B`: nn.Linear without bias) whose output a forward hook adds to the base Linear's:
 the base keeps its own name, weights and TP role, and a tensor-parallel style that shards the base
 (which acts on the module's own parameters, recursively) never touches the adapter; the parallel code
-shards A and B to match the base's role (torchmeg.parallel.tensor). PEFT names the same tensors
+shards A and B to match the base's role (the tensor-parallel pass). PEFT names the same tensors
 `<module>.lora_A.weight` / `<module>.lora_B.weight` (torchmeg.checkpoint.lora_export).
 
 Initialisation as PEFT's `init_lora_weights="gaussian"`: A ~ N(0, 1/r), B = 0 (`init_std` below,
