@@ -83,9 +83,12 @@ def pair_loss(kind: str, chosen, rejected, beta: float, smoothing: float = 0.0, 
 
 
 def loss_terms(cfg) -> list[tuple[str, float]]:
-    """(type, weight) of training.dpo_loss_type ("," joins several) with dpo.loss_weights."""
+    """(type, weight) of training.dpo_loss_type ("," joins several) with dpo.loss_weights (one each)."""
     kinds = [k.strip() for k in cfg.training.dpo_loss_type.split(",")]
     weights = list(cfg.dpo.loss_weights) or [1.0] * len(kinds)
+    if len(weights) != len(kinds):
+        raise ConfigError(f"dpo.loss_weights = {cfg.dpo.loss_weights}: one weight per training.dpo_loss_type term "
+                          f"({cfg.training.dpo_loss_type!r}), or [] for all 1")
     return list(zip(kinds, (float(w) for w in weights)))
 
 

@@ -81,15 +81,12 @@ def _check_dpo(cfg, dims) -> None:
     """The loss types and weights; what training.objective = "dpo" does not take (yet), each refused naming the key."""
     if cfg.training.objective != "dpo":
         return
-    terms = loss_terms(cfg)
-    for kind, _ in terms:
+    kinds = [kind for kind, _ in loss_terms(cfg)]  # (refuses a weight count that does not match)
+    for kind in kinds:
         if kind not in LOSS_TYPES:
             raise ConfigError(f"training.dpo_loss_type = {cfg.training.dpo_loss_type!r}: unknown type {kind!r}; "
                               f"allowed: {', '.join(LOSS_TYPES)} (several joined by ',')")
-    if cfg.dpo.loss_weights and len(cfg.dpo.loss_weights) != len(cfg.training.dpo_loss_type.split(",")):
-        raise ConfigError(f"dpo.loss_weights = {cfg.dpo.loss_weights}: one weight per training.dpo_loss_type term "
-                          f"({cfg.training.dpo_loss_type!r}), or [] for all 1")
-    if "exo_pair" in cfg.training.dpo_loss_type and cfg.dpo.label_smoothing == 0:
+    if "exo_pair" in kinds and cfg.dpo.label_smoothing == 0:
         raise ConfigError("dpo.label_smoothing = 0 with training.dpo_loss_type exo_pair: its loss needs a share of "
                           "flipped preferences in (0, 0.5), e.g. 1e-3")
     if cfg.dpo.label_smoothing >= 0.5:
