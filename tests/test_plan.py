@@ -24,6 +24,8 @@ RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
 # and counts the middle one's ops, collectives and held bytes once more.
 LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.global_batch_size=16"]),
            ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
+           # Muon: each matrix's update made whole (all-gathers over dp_shard and tp) and orthogonalized
+           ("tp2_fsdp2_muon", 4, ["--parallelism.tensor_parallel_degree=2", "--optimizer.name=muon"]),
            ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"]),
            # PP x FSDP: the stage's weights gathered once a step (the default), then once per microbatch
            # forward and backward as 1F1B orders them (5 gathers of each stage's blocks at 4 microbatches)

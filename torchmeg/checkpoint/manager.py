@@ -140,10 +140,10 @@ class CheckpointManager:
             elif os.path.isfile(os.path.join(path, MARKER)) and os.path.isfile(os.path.join(path, PENDING)):
                 os.remove(os.path.join(path, PENDING))  # committed; only its marker-to-be was left
 
-    def _states(self, model_only: bool = False) -> dict:
+    def _states(self, model_only: bool = False, loading: bool = False) -> dict:
         if model_only:
             return {"model": ModelState(self.model)}
-        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer),
+        return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer, loading),
                 "train": self.state}
 
     # ---- load --------------------------------------------------------------------------------
@@ -183,8 +183,10 @@ class CheckpointManager:
             return problem
         offset, note = resume.data_position(path, meta, self.state.global_batch, self.state.seq_len,
                                             self.c.remap_data_position)
+        if not meta.get("model_only"):
+            resume.check_optimizer(self.cfg, meta.get("recipe") or {}, path)
         recipe = resume.recipe_groups(self.optimizer)
-        failed = _load_checked(path, self._states(model_only=meta.get("model_only", False)),
+        failed = _load_checked(path, self._states(model_only=meta.get("model_only", False), loading=True),
                                lambda: list(self.model.parameters()) + list(optimizer_tensors(self.optimizer)))
         if failed:
             return failed[1] if failed[0] == "load" else "non-finite values in the loaded weights or optimizer state"

@@ -16,9 +16,23 @@ import math
 from torchmeg.config.errors import ConfigError
 
 # Recipe keys a resume takes from the recipe, not the checkpoint (recorded at save, compared at load).
-RESUME_KEYS = {"optimizer": ("name", "lr", "weight_decay", "betas", "eps"),
-               "lr_scheduler": ("warmup_steps", "decay_type", "min_lr_ratio"),
+RESUME_KEYS = {"optimizer": ("name", "lr", "weight_decay", "weight_decay_exempt", "betas", "eps", "state_dtype",
+                             "muon_lr", "muon_momentum", "muon_adjust_lr"),
+               "lr_scheduler": ("warmup_steps", "decay_type", "decay_steps", "decay_ratio", "min_lr_ratio"),
                "training": ("steps", "max_norm")}
+
+
+# Optimizers whose states have the same entries (a checkpoint of one resumes the other).
+_STATE_FAMILY = {"adamw": "adam", "adam": "adam", "sgd": "sgd", "muon": "muon"}
+
+
+def check_optimizer(cfg, saved: dict, path: str) -> None:
+    """Refuse, in one line, an optimizer whose state the checkpoint does not hold (e.g. adamw -> muon)."""
+    was, now = (saved.get("optimizer") or {}).get("name"), cfg.optimizer.name
+    if was is not None and _STATE_FAMILY.get(was) != _STATE_FAMILY.get(now):
+        raise ConfigError(f"optimizer.name = {now!r}: checkpoint {path} holds the state of {was!r}, which "
+                          f"{now!r} cannot resume from; resume with optimizer.name = {was!r}, or start from its "
+                          f"weights with a fresh optimizer (checkpoint.initial_load_path = \"{path}\" in a new run)")
 
 
 def recipe_record(cfg) -> dict:

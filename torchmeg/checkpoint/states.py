@@ -11,6 +11,22 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torchmeg.models.lora import is_adapter
 
 
+def _plain(t):
+    """A training wrapper (torchao's MXFP8 weight: a subclass whose `_data` holds the values) as the
+    plain tensor it wraps, also as a DTensor's local shard: a checkpoint stores tensors, not subclasses
+    (the plain tensor shares the wrapper's storage, so a load into it loads the parameter)."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None and hasattr(local, "_data") and type(local) is not torch.Tensor:
+        from torch.distributed.tensor import DTensor  # lazy: only wrapped weights get here
+        return DTensor.from_local(local._data, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
+    if isinstance(t, torch.Tensor) and hasattr(t, "_data") and type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return t._data
+    if isinstance(t, dict):
+        return {k: _plain(v) for k, v in t.items()}
+    return t
+
+
 class ModelState(Stateful):
     """The model's weights; `base_only`: without LoRA adapters (weights another run saved, which has none)."""
 
@@ -18,7 +34,7 @@ class ModelState(Stateful):
         self.model, self.options, self.base_only = model, options or StateDictOptions(), base_only
 
     def state_dict(self):
-        sd = get_model_state_dict(self.model, options=self.options)
+        sd = _plain(get_model_state_dict(self.model, options=self.options))
         return {k: v for k, v in sd.items() if not is_adapter(k)} if self.base_only else sd
 
     def load_state_dict(self, sd):
@@ -26,14 +42,23 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
-    def __init__(self, model, optimizer):
-        self.model, self.optimizer = model, optimizer
+    """The optimizer's per-parameter state (moments, momentum, step counts), keyed by parameter FQN.
+    Param groups are saved for reading but never loaded: their hyper-parameters are the recipe's
+    (checkpoint/resume.py) and their division follows the recipe (weight_decay_exempt, muon), so a
+    resume under another grouping or another optimizer class of the same state (AdamW with float32 or
+    bfloat16 states) takes the state by FQN into the groups it has now."""
+
+    def __init__(self, model, optimizer, loading: bool = False):
+        self.model, self.optimizer, self.loading = model, optimizer, loading
 
     def state_dict(self):
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        sd = get_optimizer_state_dict(self.model, self.optimizer)
+        sd["state"] = _plain(sd["state"])
+        return {"state": sd["state"]} if self.loading else sd
 
     def load_state_dict(self, sd):
-        set_optimizer_state_dict(self.model, self.optimizer, sd)
+        groups = get_optimizer_state_dict(self.model, self.optimizer)["param_groups"]
+        set_optimizer_state_dict(self.model, self.optimizer, {"state": sd["state"], "param_groups": groups})
 
 
 def optimizer_tensors(optimizer):

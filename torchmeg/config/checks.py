@@ -82,8 +82,43 @@ def _check_timeouts(cfg: Config) -> None:
                           f"the watchdog reports the hang); raise it or lower watchdog_min_s")
 
 
+WEIGHT_DECAY_GROUPS = ("embeddings", "head", "norms", "biases")
+
+
+def _check_optimizer(cfg: Config) -> None:
+    """Weight-decay groups and the warmup-stable-decay schedule's keys."""
+    ex, s, t = cfg.optimizer.weight_decay_exempt, cfg.lr_scheduler, cfg.training.steps
+    bad = [e for e in ex if e not in WEIGHT_DECAY_GROUPS] if isinstance(ex, list) else [ex]
+    if bad:
+        raise ConfigError(f"optimizer.weight_decay_exempt = {ex!r}: unknown group {bad[0]!r}; a list of any of "
+                          f"{', '.join(WEIGHT_DECAY_GROUPS)}")
+    if s.decay_steps != -1 and s.decay_ratio != -1:
+        raise ConfigError("lr_scheduler.decay_steps and lr_scheduler.decay_ratio are both set: set one (-1 = off)")
+    if s.decay_ratio != -1 and s.decay_ratio <= 0:
+        raise ConfigError(f"lr_scheduler.decay_ratio = {s.decay_ratio}: must be in (0, 1], or -1 (off)")
+    wsd = decay_steps(cfg)
+    if wsd is not None and s.decay_type == "constant":
+        raise ConfigError("lr_scheduler.decay_type = \"constant\" with a decay length: choose the decay's shape "
+                          "(linear, sqrt or cosine)")
+    if wsd is not None and not 1 <= wsd <= t - s.warmup_steps:
+        raise ConfigError(f"lr_scheduler: a decay of {wsd} steps does not fit the {t - s.warmup_steps} steps "
+                          f"after warmup (training.steps {t} - warmup_steps {s.warmup_steps}); shorten the decay "
+                          f"or the warmup, or train longer")
+
+
+def decay_steps(cfg: Config) -> int | None:
+    """The warmup-stable-decay schedule's decay length in steps, or None (decay over all steps after warmup)."""
+    s = cfg.lr_scheduler
+    if s.decay_steps != -1:
+        return s.decay_steps
+    if s.decay_ratio != -1:
+        return max(1, round(s.decay_ratio * cfg.training.steps))
+    return None
+
+
 def check_recipe(cfg: Config) -> None:
     """Everything the recipe alone decides: types and ranges of every key, choices, keys that go together."""
     _check_field_ranges(cfg)
     _check_special(cfg)
+    _check_optimizer(cfg)
     _check_timeouts(cfg)

@@ -90,17 +90,38 @@ class Training:
 
 @dataclass
 class Optimizer:
-    name: str = _f("adamw", choices=["adamw", "adam", "sgd"])
+    name: str = _f("adamw", choices=["adamw", "adam", "sgd", "muon"],
+                   help="muon: Muon (torch.optim.Muon's update) for the hidden matrices, AdamW (betas, eps) for "
+                        "embeddings, the head, norms, biases and LoRA adapters")
     lr: float = _f(3e-3, lo=0.0)
     weight_decay: float = _f(0.1, lo=0.0)
+    weight_decay_exempt: list = _f(["norms", "biases"], help="parameters that never decay: any of embeddings, head, "
+                                                             "norms, biases (norms: every 1-D weight)")
     betas: list = _f([0.9, 0.95])
     eps: float = _f(1e-8, lo=0.0)
+    state_dtype: str = _f("float32", choices=["float32", "bfloat16"],
+                          help="dtype of the moments (Adam) / momentum (Muon); bfloat16 halves the state, the "
+                               "update is computed in float32 and the weights stay in their dtype")
+    muon_lr: float = _f(0.0, lo=0.0, help="Muon's rate for the hidden matrices; 0 = optimizer.lr")
+    muon_momentum: float = _f(0.95, lo=0.0, hi=0.999)
+    muon_nesterov: bool = _f(True)
+    muon_ns_steps: int = _f(5, lo=1, hi=99, help="Newton-Schulz iterations")
+    muon_ns_dtype: str = _f("bfloat16", choices=["bfloat16", "float32"],
+                            help="dtype of the Newton-Schulz iteration (torch.optim.Muon: bfloat16)")
+    muon_adjust_lr: str = _f("match_rms_adamw", choices=["match_rms_adamw", "original"],
+                             help="match_rms_adamw: 0.2 sqrt(max(A, B)) (Moonlight: AdamW's lr and weight decay "
+                                  "carry over); original: sqrt(max(1, A / B)) (Keller Jordan's)")
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = _f(20, lo=0)
-    decay_type: str = _f("cosine", choices=["cosine", "linear", "constant"])
+    decay_type: str = _f("cosine", choices=["cosine", "linear", "sqrt", "constant"],
+                         help="shape of the decay: cosine, linear, sqrt (1 - sqrt(progress)) or none")
+    decay_steps: int = _f(-1, lo=-1, help="-1: decay over every step after warmup; N: warmup-stable-decay (WSD), "
+                                          "the peak rate held until the last N steps, which decay")
+    decay_ratio: float = _f(-1.0, lo=-1.0, hi=1.0, help="WSD with the decay as a fraction of training.steps "
+                                                        "(torchtitan's key); -1 = off; set this or decay_steps")
     min_lr_ratio: float = _f(0.1, lo=0.0, hi=1.0)
 
 
@@ -143,10 +164,14 @@ class Compile:
 @dataclass
 class Float8:
     enable: bool = _f(False)
-    recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+    recipe: str = _f("tensorwise", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8",
+                                            "mxfp8_wgrad_with_hp"],
+                     help="torchao's: tensorwise / rowwise scales (float8 tensor cores: sm_89+), or mxfp8: one "
+                          "e8m0 scale per 32 elements (MX tensor cores: sm_100+); elsewhere emulated")
     emulate: Union[str, bool] = _f("auto")
     enable_fsdp_float8_all_gather: bool = _f(False)
     filter_fqns: list = _f(["output", "lm_head"])
+    mx_experts: bool = _f(True, help="mxfp8 recipes: the grouped MoE experts' matmuls in MXFP8 too")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchmeg.parallel.float8 import is_float8_linear
+from torchmeg.parallel.mxfp8 import is_mx_linear
 
 # The ops whose operand dtype *is* the compute precision.
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear", "_grouped_mm",
@@ -48,6 +49,7 @@ class OpRecorder(TorchDispatchMode):
         return {"matmul_dtypes": {k: sorted(v) for k, v in sorted(self.matmul.items())},
                 "dtypes_seen": sorted(self.seen),
                 "float8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_float8_linear(m)),
+                "mxfp8_modules": sorted(_clean(n) for n, m in model.named_modules() if is_mx_linear(m)),
                 "params": {_clean(n): _layout(p) for n, p in model.named_parameters()}}
 
 

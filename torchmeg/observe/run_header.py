@@ -9,6 +9,7 @@ from torchmeg.runtime import process as runtime
 from torchmeg.kernels.fused_ce import chunk_rows
 from torchmeg.models.count import active_params, count_params
 from torchmeg.models.lora import adapters
+from torchmeg.config.checks import decay_steps
 
 
 def header_lines(tr) -> list[str]:
@@ -50,12 +51,23 @@ def header_lines(tr) -> list[str]:
         f"init       {tr.init_note}",
         f"batch      {layout.local_batch} {unit} x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
         f"{unit} = {layout.tokens_per_step:,} tokens/step, {c.training.steps} steps",
-        f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g} wd {c.optimizer.weight_decay:g}; "
-        f"warmup {c.lr_scheduler.warmup_steps}, {c.lr_scheduler.decay_type} to {c.lr_scheduler.min_lr_ratio:g}x; "
-        f"clip {c.training.max_norm:g}",
+        f"optimizer  {c.optimizer.name} lr {c.optimizer.lr:g}"
+        + (f" (matrices {c.optimizer.muon_lr or c.optimizer.lr:g}, {c.optimizer.muon_adjust_lr})"
+           if c.optimizer.name == "muon" else "")
+        + f": {tr.optimizer_groups}; {_schedule(c)}; clip {c.training.max_norm:g}",
         f"loss       {_loss_line(c, tr.built, layout)}",
         f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
     ]
+
+
+def _schedule(cfg) -> str:
+    s, t, wsd = cfg.lr_scheduler, cfg.training.steps, decay_steps(cfg)
+    if s.decay_type == "constant":
+        return f"warmup {s.warmup_steps}, then constant"
+    if wsd is None:
+        return f"warmup {s.warmup_steps}, {s.decay_type} to {s.min_lr_ratio:g}x"
+    return (f"warmup {s.warmup_steps}, stable to step {t - wsd}, {s.decay_type} decay over the last {wsd} steps "
+            f"to {s.min_lr_ratio:g}x (WSD)")
 
 
 def _lora_lines(cfg, whole, n: int) -> list[str]:

@@ -1,7 +1,8 @@
 """THE pass: a plain single-device model -> a distributed one, in a fixed order.
 
   0. float8 (torchao)             swaps nn.Linear for Float8Linear first, so that step 1 can
-                                  choose torchao's Float8 TP styles for the converted layers
+                                  choose torchao's Float8 TP styles for the converted layers; or
+                                  MXFP8 (float8.recipe mxfp8*): the Linears' weights wrapped
   1. tensor / sequence parallel   DTensor plans need the un-wrapped modules
   2. context parallel, expert parallel (swap attention / expert dispatch; shard experts over ep)
   4. activation recompute         wraps blocks
@@ -12,6 +13,7 @@ model into stages first; each stage then goes through this pass.
 """
 from __future__ import annotations
 
+import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 from torch import nn
@@ -20,6 +22,8 @@ from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 from torchmeg.parallel.compile import compile_blocks, setup
 from torchmeg.config.support import device_type
 from torchmeg.parallel.float8 import apply_float8, is_float8_linear, resolve_emulate
+from torchmeg.parallel.mxfp8 import MX_RECIPES, apply_mxfp8, is_mx_experts, is_mx_linear
+from torchmeg.parallel.mxfp8 import resolve_emulate as resolve_mx_emulate
 from torchmeg.models.blocks import find_blocks
 from torchmeg.parallel.context import apply_cp
 from torchmeg.parallel.data import apply_ddp, apply_fsdp
@@ -53,7 +57,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     path, container = find_blocks(model, cfg.model.blocks if blocks is None else blocks)
     report = {"blocks": path, "n_blocks": len(container) if container is not None else 0}
     float8_tp = False
-    if cfg.float8.enable:
+    if cfg.float8.enable and cfg.float8.recipe in MX_RECIPES:  # (refused under TP: torchmeg.train.validate)
+        _apply_mxfp8(model, cfg, device, report)
+    elif cfg.float8.enable:
         converted = apply_float8(model, cfg.float8, device)
         report["float8_linears"] = sum(1 for m in model.modules() if is_float8_linear(m))
         report["float8_emulated"] = resolve_emulate(cfg.float8.emulate, device)
@@ -109,6 +115,14 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     return model
 
 
+def _apply_mxfp8(model: nn.Module, cfg, device: str, report: dict) -> None:
+    out_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
+    apply_mxfp8(model, cfg.float8, device, out_dtype)
+    report["mxfp8_linears"] = sum(1 for m in model.modules() if is_mx_linear(m))
+    report["mxfp8_experts"] = sum(1 for m in model.modules() if is_mx_experts(m))
+    report["mxfp8_emulated"] = resolve_mx_emulate(cfg.float8.emulate, device)
+
+
 def describe_report(report: dict) -> str:
     """One line: what parallelize() did to a model."""
     parts = [f"blocks {report['n_blocks']} at {report['blocks']!r}" if report.get("blocks") else "no blocks found"]
@@ -122,6 +136,11 @@ def describe_report(report: dict) -> str:
         parts.append(f"float8 {report['float8_linears']} linears" + (
             " (EMULATED: float8 math in high precision, no float8 matmul units here)"
             if report.get("float8_emulated") else " (float8 matmuls)"))
+    if "mxfp8_linears" in report:
+        parts.append(f"mxfp8 {report['mxfp8_linears']} linears"
+                     + (f" + {report['mxfp8_experts']} grouped experts" if report.get("mxfp8_experts") else "") + (
+            " (EMULATED: MX blocks quantized and dequantized, matmuls in high precision; MXFP8 tensor cores are "
+            "sm_100's)" if report.get("mxfp8_emulated") else " (MXFP8 matmuls)"))
     if "recompute_blocks" in report:
         parts.append(f"recompute {report['recompute_blocks']} blocks")
     if "compiled_blocks" in report:

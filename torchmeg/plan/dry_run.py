@@ -31,7 +31,9 @@ from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
+from torchmeg.config.errors import ConfigError
 from torchmeg.config.layout import Layout
+from torchmeg.parallel.mxfp8 import MX_RECIPES
 from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
@@ -124,6 +126,10 @@ def dry_run(cfg, layout: Layout, isolate: bool = False) -> list[dict]:
     cfg.compile.enable = False
     # A plan is for a GPU with float8 matmuls: count torch._scaled_mm, not the CPU's emulation of it.
     cfg.float8.emulate = False
+    if cfg.float8.enable and cfg.float8.recipe in MX_RECIPES:
+        raise ConfigError(f"float8.recipe = {cfg.float8.recipe!r}: the planner cannot trace torchao's MXFP8 kernels "
+                          f"(Triton / CUDA, sm_100) on fake tensors; plan with float8.recipe = \"rowwise\" (the nearest "
+                          f"one it traces) or float8.enable = false")
     _JOB.update(cfg=cfg, layout=layout)
     if dims.pp == 1:
         if not isolate:

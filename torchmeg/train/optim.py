@@ -8,43 +8,136 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchmeg.config.checks import decay_steps
 
-def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
-    """Weight decay on matrices and embeddings only; norms and biases are not decayed."""
-    o = cfg.optimizer
-    decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
+
+KINDS = ("matrices", "embeddings", "head", "norms", "biases", "adapters")
+
+
+def parameter_kinds(model: nn.Module, head: str) -> dict[str, list]:
+    """The trainable parameters by kind, each once (a tied head is the embedding): embeddings (nn.Embedding
+    weights), head (the top-level module `head`), adapters (LoRA's A and B), biases, norms (every other 1-D
+    weight) and matrices (the rest: the hidden Linears, experts, routers)."""
+    kinds, seen = {k: [] for k in KINDS}, set()
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
             seen.add(id(p))
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
+            if isinstance(mod, nn.Embedding):
+                kind = "embeddings"
+            elif mname == head:
+                kind = "head"
+            elif mname.endswith("_lora") or "_lora." in mname:
+                kind = "adapters"
+            elif p.ndim < 2:
+                kind = "biases" if pname.endswith("bias") else "norms"
+            else:
+                kind = "matrices"
+            kinds[kind].append(p)
+    return kinds
+
+
+def build_optimizer(model: nn.Module, cfg, head: str | None = None) -> torch.optim.Optimizer:
+    """The recipe's optimizer over the model's trainable parameters, grouped by kind: kinds in
+    optimizer.weight_decay_exempt never decay; under muon the matrices take Muon's update and every
+    other kind AdamW's. `opt.torchmeg_groups` says which kinds went where (the run header's line)."""
+    o = cfg.optimizer
+    head = head if head is not None else _head_name(cfg)
+    kinds = parameter_kinds(model, head)
+    exempt = set(o.weight_decay_exempt)
+    groups, desc = [], []
+    for algorithm, members in _partition(o.name, kinds):
+        for decays in (True, False):
+            names = [k for k in members if kinds[k] and (k not in exempt) == decays]
+            params = [p for k in names for p in kinds[k]]
+            if not params:
+                continue
+            g = {"params": params, "weight_decay": o.weight_decay if decays else 0.0}
+            if o.name == "muon":
+                g.update(algorithm=algorithm, base_lr=(o.muon_lr or o.lr) if algorithm == "muon" else o.lr)
+            groups += _split_in_out(g, model) if algorithm == "muon" else [g]
+            desc.append((algorithm, decays, names, sum(p.numel() for p in params)))
     if o.name == "sgd":
-        return torch.optim.SGD(groups, lr=o.lr, momentum=o.betas[0])
-    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+        opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.betas[0])
+    elif o.name == "muon" or o.state_dtype != "float32":
+        from torchmeg.train.muon import MuonWithAdamW  # lazy: only muon / low-precision-state runs use it
+        opt = MuonWithAdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, momentum=o.muon_momentum,
+                            nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps, ns_dtype=o.muon_ns_dtype,
+                            adjust_lr=o.muon_adjust_lr, state_dtype=o.state_dtype, adam=o.name == "adam")
+    else:
+        cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+        opt = cls(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    opt.torchmeg_groups = desc
+    return opt
+
+
+def _split_in_out(group: dict, model: nn.Module) -> list[dict]:
+    """Muon's rate depends on which side of a matrix is its output: torchmeg's grouped experts store
+    [experts, in, out] (a group with in_out=True), Linear weights and transformers' experts [.., out, in]."""
+    from torchmeg.models.moe import is_grouped_experts  # lazy: only muon runs ask
+    in_out = {id(p) for m in model.modules() if is_grouped_experts(m) for p in m.parameters(recurse=False)}
+    split = [dict(group, params=[p for p in group["params"] if (id(p) in in_out) == flag]) for flag in (False, True)]
+    split[1]["in_out"] = True
+    return [g for g in split if g["params"]]
+
+
+def _head_name(cfg) -> str:
+    from torchmeg.models.spec import get_spec  # lazy: the registry imports every model module
+    return get_spec(cfg.model.name).head
+
+
+def _partition(name: str, kinds: dict) -> list[tuple[str, list[str]]]:
+    if name == "muon":
+        return [("muon", ["matrices"]), ("adamw", [k for k in KINDS if k != "matrices"])]
+    return [(name, list(KINDS))]
+
+
+def describe_groups(opt, cfg) -> str:
+    """'muon: matrices 12.6M (wd 0.1); adamw: embeddings, head 1.0M (wd 0.1), norms 0.01M (wd 0)' — what each
+    update rule trains and what decays, from the groups build_optimizer made."""
+    parts = []
+    for algorithm, decays, names, n in getattr(opt, "torchmeg_groups", []):
+        wd = cfg.optimizer.weight_decay if decays else 0.0
+        size = f"{n / 1e6:.2f}M" if n >= 10 ** 5 else f"{n / 1e3:.1f}K"
+        parts.append(f"{algorithm} {', '.join(names)} {size} (wd {wd:g})")
+    dtype = "" if cfg.optimizer.state_dtype == "float32" else f"; states in {cfg.optimizer.state_dtype}"
+    return "; ".join(parts) + dtype
 
 
 def lr_factor(step: int, cfg) -> float:
-    """Multiplier of optimizer.lr for 0-based `step`: linear warmup, then cosine/linear/constant."""
+    """Multiplier of the base rate for 0-based `step`: linear warmup, then a decay to min_lr_ratio over
+    every later step, or (warmup-stable-decay) the peak held until the last `decay_steps` steps, which
+    decay. The factor depends on (recipe, step) alone, so a run resumed from a stable-phase checkpoint
+    with another training.steps / decay length decays as the new recipe says."""
     s, t = cfg.lr_scheduler, cfg.training.steps
     if step < s.warmup_steps:
         return (step + 1) / s.warmup_steps
+    wsd = decay_steps(cfg)
     if s.decay_type == "constant" or t <= s.warmup_steps:
         return 1.0
-    p = min(1.0, (step - s.warmup_steps) / max(1, t - s.warmup_steps - 1))
+    if wsd is None:
+        p = min(1.0, (step - s.warmup_steps) / max(1, t - s.warmup_steps - 1))
+    elif step < t - wsd:
+        return 1.0
+    else:
+        p = min(1.0, (step - (t - wsd) + 1) / wsd)
     if s.decay_type == "linear":
-        return 1.0 - (1.0 - s.min_lr_ratio) * p
-    return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
+        shape = 1.0 - p
+    elif s.decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(p)
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * p))
+    return s.min_lr_ratio + (1.0 - s.min_lr_ratio) * shape
 
 
 def build_lr_scheduler(opt: torch.optim.Optimizer, cfg, step: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
     """The recipe's schedule as it stands after `step` completed steps (0: a fresh run; a resume
     passes the checkpoint's step). The schedule is a function of (recipe, step), so a resumed run
-    needs no scheduler state: every group's base rate is the recipe's lr, and LambdaLR, told the
-    last step taken, sets the rate of the next one."""
+    needs no scheduler state: every group's base rate is the recipe's (optimizer.lr; Muon's matrices
+    optimizer.muon_lr), and LambdaLR, told the last step taken, sets the rate of the next one."""
     for g in opt.param_groups:
-        g["initial_lr"] = cfg.optimizer.lr
+        g["initial_lr"] = g.get("base_lr", cfg.optimizer.lr)
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg), last_epoch=step - 1)
 
 

@@ -33,7 +33,7 @@ from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import MetricsLogger, format_line, model_state_bytes, peak_memory_gib
 from torchmeg.models.count import flops_per_token
 from torchmeg.observe.op_record import OpRecorder, write as write_op_record
-from torchmeg.train.optim import build_lr_scheduler, build_optimizer, clip_grads, grad_norm
+from torchmeg.train.optim import build_lr_scheduler, build_optimizer, clip_grads, describe_groups, grad_norm
 from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.observe.peak import peak_flops, repair_peak
@@ -115,6 +115,7 @@ class Trainer:
     def _build_optimizer(self) -> None:
         cfg = self.cfg
         self.optimizer = build_optimizer(self.model, cfg)
+        self.optimizer_groups = describe_groups(self.optimizer, cfg)  # (the run header's optimizer line)
         self._dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
         self.peak, self.peak_source = peak_flops(self.device, self._dtype, cache_dir(cfg))
         self._peak_repaired = False

@@ -27,6 +27,7 @@ from torchmeg.models.attention import check_document_masking
 from torchmeg.models.spec import get_spec
 from torchmeg.parallel import context, expert, pipeline
 from torchmeg.parallel.dims import ParallelDims
+from torchmeg.parallel.mxfp8 import MX_RECIPES
 from torchmeg.train.dpo import LOSS_TYPES, loss_terms
 
 
@@ -68,6 +69,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     dims.check_tp(args, cfg)
     _check_dpo(cfg, dims)
     layout = _layout(cfg, world_size, dims, spec, args)
+    _check_mxfp8(cfg, layout)
     if data:
         check_data_config(cfg)
         if cfg.checkpoint.enable:
@@ -99,6 +101,23 @@ def _check_dpo(cfg, dims) -> None:
         if bad:
             raise ConfigError(f"{key} = {value} with training.objective = \"dpo\": not supported (a pair's rows are "
                               f"whole sequences scored by their summed log-probs); use TP, FSDP/HSDP/DDP or EP")
+
+
+def _check_mxfp8(cfg, layout: Layout) -> None:
+    """MXFP8 casts each weight gradient's operands in blocks of 32 tokens: a microbatch's tokens per rank
+    must fill whole blocks. Not under TP (below)."""
+    if not (cfg.float8.enable and cfg.float8.recipe in MX_RECIPES):
+        return
+    if layout.dims.tp > 1:  # (measured: not one MX cast in a TP2 step; never run bf16 under the MX name)
+        raise ConfigError(f"float8.recipe = {cfg.float8.recipe!r} with parallelism.tensor_parallel_degree = "
+                          f"{layout.dims.tp}: not supported (torchao's MXFP8 weight wrapper overrides the matmul "
+                          f"above dispatch, which a TP DTensor never reaches); use FSDP / EP / PP, or a float8 recipe")
+    rows = layout.local_batch * layout.accum // layout.microbatches if layout.stages else layout.local_batch
+    tokens = rows * layout.rows_per_sample * layout.seq_len // layout.dims.cp
+    if tokens % 32:
+        raise ConfigError(f"float8.recipe = {cfg.float8.recipe!r}: a microbatch holds {tokens} tokens per rank "
+                          f"(sequences x data.seq_len{' / cp' if layout.dims.cp > 1 else ''}); MXFP8 scales gradients "
+                          f"in blocks of 32 tokens: make it a multiple of 32 (training.local_batch_size, data.seq_len)")
 
 
 def _tokenizer_vocab(cfg: Config, data: bool) -> int | None:
