@@ -151,12 +151,15 @@ def test_planner_counts_muons_iteration_gathers_and_state(tmp_path):
     """The dry run steps this optimizer on fake tensors: under FSDP 2 Muon's plan has the iteration's
     FLOPs (5 steps of 3 matmuls per matrix, on the whole matrix), one all-gather per sharded matrix in
     the update, and one momentum per matrix element where AdamW holds two moments (the real run's
-    counts equal the plan's: tests/test_plan.py's tp2_fsdp2_muon layout)."""
+    counts equal the plan's: tests/test_plan.py's tp2_fsdp2_muon layout); bf16 states halve AdamW's."""
     plans = {}
-    for name in ("adamw", "muon"):
+    for name, extra in (("adamw", []), ("muon", []), ("adamw_bf16", ["--optimizer.state_dtype=bfloat16"])):
         _plan(["--world", "2", "--json", str(tmp_path / f"{name}.json"), "--config", "recipes/debug_llama.toml",
-               f"--job.dump_folder={tmp_path}", f"--optimizer.name={name}"])
+               f"--job.dump_folder={tmp_path}", f"--optimizer.name={name.split('_')[0]}"] + extra)
         plans[name] = json.load(open(tmp_path / f"{name}.json"))["ranks"][0]
+    # bf16 states: the plan's optimizer bytes halve (the step counters aside: one fp32 scalar per tensor)
+    fp32, bf16 = plans["adamw"]["optimizer_bytes"], plans["adamw_bf16"]["optimizer_bytes"]
+    assert 0 <= fp32 - 2 * (fp32 - bf16) <= 4 * 100, (fp32, bf16)
     a, m = plans["adamw"], plans["muon"]
     cfg = load_config(os.path.join(ROOT, "recipes", "debug_llama.toml"), [])
     mats = [p for n, p in build_model(cfg, 257).named_parameters() if p.ndim == 2

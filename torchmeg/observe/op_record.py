@@ -56,7 +56,9 @@ class OpRecorder(TorchDispatchMode):
 def _placement(x) -> str:
     if x.is_shard():
         return f"Shard({x.dim})"
-    return "Replicate" if x.is_replicate() else "Partial"
+    if x.is_replicate():
+        return "Replicate"
+    return "Partial" if x.is_partial() else f"{type(x).__name__}({getattr(x, 'dim', '')})"  # e.g. _StridedShard(0)
 
 
 def _layout(p: torch.Tensor) -> dict:

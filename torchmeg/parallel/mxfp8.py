@@ -4,14 +4,15 @@
 torchao 0.18's training path (torchao.prototype.moe_training): `quantize_` with an MXFP8TrainingOpConfig
 wraps each selected weight in MXFP8TrainingWeightWrapperTensor, whose matmuls cast both operands to
 MXFP8 per 32-element block along the contraction dimension, forward and backward (the weight gradient
-in high precision with wgrad_with_hp). The wrapper carries FSDP2's all-gather hooks and passes through
-DTensor's sharding, so the same conversion composes with FSDP2 and TP. Real MXFP8 matmuls need the
+in high precision with wgrad_with_hp). The wrapper carries FSDP2's all-gather hooks; under TP its
+override (a __torch_function__) is below DTensor's dispatch, so each TP Linear runs on its local shards
+here (`mx_tensor_parallel`). Real MXFP8 matmuls need the
 block-scaled tensor cores of sm_100 (Blackwell) and torchao's CUDA build; elsewhere (every CPU, Hopper
 and older) torchao's EMULATED kernels quantize and dequantize with the same rounding and run the
 matmul in high precision, and the run header says which.
 
-Selected: the blocks' bias-free Linears whose in/out features are multiples of 32 (the block size),
-except float8.filter_fqns (the LM head by default). torchao's MX linear drops a bias, so a Linear with
+Selected: the blocks' bias-free Linears whose in/out features are multiples of 32 (the block size;
+under TP, of 32 x tp, so every shard holds whole blocks), except float8.filter_fqns (the LM head by default). torchao's MX linear drops a bias, so a Linear with
 one stays in high precision (named by the run header's count). The grouped MoE experts are not
 converted: torchao's MXFP8 grouped matmul takes weights stored [experts, out, in] (K-major), where
 torchmeg's experts are [experts, in, out] (docs/limits.md).
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 
 import torch
 from torch import nn
@@ -36,17 +38,18 @@ def hardware_has_mxfp8(device_type: str) -> bool:
     return torch.cuda.get_device_capability() >= (10, 0)
 
 
-def _keep(filter_fqns):
+def _keep(filter_fqns, tp: int):
+    """Bias-free Linears outside filter_fqns whose dimensions hold whole 32-blocks — on every TP shard."""
     def keep(mod: nn.Module, fqn: str) -> bool:
         if not isinstance(mod, nn.Linear) or mod.bias is not None:
             return False
         if any(fqn == f or fqn.endswith("." + f) or f in fqn.split(".") for f in filter_fqns):
             return False
-        return mod.in_features % BLOCK == 0 and mod.out_features % BLOCK == 0
+        return mod.in_features % (BLOCK * tp) == 0 and mod.out_features % (BLOCK * tp) == 0
     return keep
 
 
-def apply_mxfp8(model: nn.Module, f8, device_type: str, out_dtype: torch.dtype) -> bool:
+def apply_mxfp8(model: nn.Module, f8, device_type: str, out_dtype: torch.dtype, tp: int = 1) -> bool:
     """Wrap the selected Linears' weights in place; True if any was."""
     # torchao's prototype is imported here, lazily: only runs with an MX recipe pay for it.
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig  # lazy: see above
@@ -57,7 +60,7 @@ def apply_mxfp8(model: nn.Module, f8, device_type: str, out_dtype: torch.dtype) 
     config = MXFP8TrainingOpConfig(
         kernel_preference=KernelPreference.EMULATED if emulate else KernelPreference.AUTO, out_dtype=out_dtype,
         wgrad_with_hp=f8.recipe == "mxfp8_wgrad_with_hp", scale_calculation_mode=ScaleCalculationMode.RCEIL)
-    quantize_(model, config, filter_fn=_keep(f8.filter_fqns))
+    quantize_(model, config, filter_fn=_keep(f8.filter_fqns, tp))
     if f8.mx_experts:
         # bf16 out: the grouped GEMM's output (sm_100's kernel; the emulation's bf16 grouped matmul, whose CPU
         # kernel writes its input dtype), as torchtitan runs it; MX values are exact in bf16.
@@ -89,6 +92,36 @@ def _k_major_class():
                 return super().__torch_function__(func, types, args, kwargs)
         _K_MAJOR.append(KMajorMXFP8Weight)
     return _K_MAJOR[0]
+
+
+def mx_tensor_parallel(model: nn.Module) -> int:
+    """Under TP, run each MX Linear on its local shards: DTensor's own linear would call the local
+    wrapper below its matmul override (no MX cast at all). The shard math is the colwise / rowwise
+    Linear's: input replicated x weight Shard(0) -> output Shard(-1); input Shard(-1) x weight Shard(1)
+    -> Partial (the TP style's output hook then reduces it). MX blocks run along each shard's own
+    contraction slice, the global blocks when K / tp is a multiple of 32 (the recipe check). -> count."""
+    n = 0
+    for mod in model.modules():
+        if is_mx_linear(mod) and hasattr(mod.weight, "placements"):
+            mod.forward = types.MethodType(_local_mx_forward, mod)
+            n += 1
+    return n
+
+
+def _local_mx_forward(self, x):
+    from torch.distributed.tensor import DTensor, Partial, Shard  # lazy: TP runs only
+    w = self.weight
+    tp = [p for p in w.placements if p.is_shard()]
+    if isinstance(x, DTensor):
+        # A replicated input meets a Shard(0) weight: each rank's input gradient is a partial sum.
+        grad = [Partial() if wp.is_shard() and wp.dim == 0 and xp.is_replicate() else xp
+                for xp, wp in zip(x.placements, w.placements)]
+        x = x.to_local(grad_placements=grad)
+    y = torch.nn.functional.linear(x, w.to_local())
+    out = [Shard(y.ndim - 1) if p.is_shard() and p.dim == 0 else Partial() if p.is_shard() else p
+           for p in w.placements]
+    assert tp, "an MX Linear under TP with a replicated weight"
+    return DTensor.from_local(y, w.device_mesh, out, run_check=False)
 
 
 def _mx_experts(mod: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 from torchmeg.parallel.compile import compile_blocks, setup
 from torchmeg.config.support import device_type
 from torchmeg.parallel.float8 import apply_float8, is_float8_linear, resolve_emulate
-from torchmeg.parallel.mxfp8 import MX_RECIPES, apply_mxfp8, is_mx_experts, is_mx_linear
+from torchmeg.parallel.mxfp8 import MX_RECIPES, apply_mxfp8, is_mx_experts, is_mx_linear, mx_tensor_parallel
 from torchmeg.parallel.mxfp8 import resolve_emulate as resolve_mx_emulate
 from torchmeg.models.blocks import find_blocks
 from torchmeg.parallel.context import apply_cp
@@ -57,7 +57,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
     path, container = find_blocks(model, cfg.model.blocks if blocks is None else blocks)
     report = {"blocks": path, "n_blocks": len(container) if container is not None else 0}
     float8_tp = False
-    if cfg.float8.enable and cfg.float8.recipe in MX_RECIPES:  # (refused under TP: torchmeg.train.validate)
+    if cfg.float8.enable and cfg.float8.recipe in MX_RECIPES:
         _apply_mxfp8(model, cfg, device, report)
     elif cfg.float8.enable:
         converted = apply_float8(model, cfg.float8, device)
@@ -83,6 +83,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         matched = apply_tp(model, mesh["tp"], tp_plan, sp, dims.uses_loss_parallel(p), float8_tp)
         unmatched_patterns(matched, strict=plan_must_match and dims.pp == 1)
         report["tp_plan"] = matched
+        if "mxfp8_linears" in report:
+            mx_tensor_parallel(model)
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp > 1:
@@ -117,7 +119,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
 
 def _apply_mxfp8(model: nn.Module, cfg, device: str, report: dict) -> None:
     out_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
-    apply_mxfp8(model, cfg.float8, device, out_dtype)
+    apply_mxfp8(model, cfg.float8, device, out_dtype, tp=cfg.parallelism.tensor_parallel_degree)
     report["mxfp8_linears"] = sum(1 for m in model.modules() if is_mx_linear(m))
     report["mxfp8_experts"] = sum(1 for m in model.modules() if is_mx_experts(m))
     report["mxfp8_emulated"] = resolve_mx_emulate(cfg.float8.emulate, device)

@@ -108,10 +108,6 @@ def _check_mxfp8(cfg, layout: Layout) -> None:
     must fill whole blocks. Not under TP (below)."""
     if not (cfg.float8.enable and cfg.float8.recipe in MX_RECIPES):
         return
-    if layout.dims.tp > 1:  # (measured: not one MX cast in a TP2 step; never run bf16 under the MX name)
-        raise ConfigError(f"float8.recipe = {cfg.float8.recipe!r} with parallelism.tensor_parallel_degree = "
-                          f"{layout.dims.tp}: not supported (torchao's MXFP8 weight wrapper overrides the matmul "
-                          f"above dispatch, which a TP DTensor never reaches); use FSDP / EP / PP, or a float8 recipe")
     rows = layout.local_batch * layout.accum // layout.microbatches if layout.stages else layout.local_batch
     tokens = rows * layout.rows_per_sample * layout.seq_len // layout.dims.cp
     if tokens % 32:
