@@ -123,6 +123,15 @@ def test_muon_layout_matches_one_process(name, tmp_path, muon_reference):
 
 
 @pytest.mark.slow
+def test_muon_with_compiled_blocks(tmp_path, muon_reference):
+    """Compiled blocks under Muon = eager within 1e-4 (compiled kernels fuse and reorder floating-point
+    work: tests/test_compiler.py's bound); the optimizer itself runs eagerly either way."""
+    p = run_cli(MUON + ["--training.local_batch_size=8", "--compile.enable=true"], tmp_path, timeout=300)
+    assert "compiled 2 blocks" in p.stdout, p.stdout[:3000]
+    assert_parity(muon_reference, read_metrics(tmp_path), rtol=1e-4)
+
+
+@pytest.mark.slow
 def test_muon_resumes_exactly(tmp_path, muon_reference):
     """Stopped after step 2 and resumed under TP2 x FSDP2 (momentum and moments resharded by DCP) = the
     uninterrupted single-process run at steps 3 and 4."""

@@ -143,6 +143,50 @@ def test_moe_routing_and_experts_never_sync_the_device():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_muon_and_bf16_states_on_cuda():
+    """On the GPU (cuBLAS matmuls, bf16 Newton-Schulz on tensor cores): build_optimizer's Muon groups on
+    the debug Llama = torch.optim.Muon + torch.optim.AdamW bit for bit over 4 steps; bf16 states hold
+    exactly half the bytes of float32 states."""
+    import copy
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model, init_weights
+    from torchmeg.train.optim import build_optimizer
+    cfg = load_config("recipes/debug_llama.toml", ["--optimizer.name=muon", "--optimizer.lr=1e-2"])
+    model = build_model(cfg, 320, "cuda")
+    init_weights(model, seed=0)
+    ref = copy.deepcopy(model)
+    opt = build_optimizer(model, cfg)
+    named = dict(ref.named_parameters())
+    head = ("tok_embeddings", "output")
+    mats = [p for n, p in named.items() if p.ndim == 2 and not n.startswith(head)]
+    o = cfg.optimizer
+    ref_opts = [torch.optim.Muon(mats, lr=o.lr, weight_decay=o.weight_decay, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW([{"params": [p for n, p in named.items() if p.ndim == 2 and n.startswith(head)]},
+                                   {"params": [p for p in named.values() if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                                  foreach=False)]
+    torch.manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 320, (2, 64), device="cuda")
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+            for op in opts:
+                op.step()
+                op.zero_grad()
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), n
+    sizes = {}
+    for dtype in ("float32", "bfloat16"):
+        c = load_config("recipes/debug_llama.toml", [f"--optimizer.state_dtype={dtype}"])
+        m = build_model(c, 320, "cuda")
+        init_weights(m, seed=0)
+        op = build_optimizer(m, c)
+        m(x).float().pow(2).mean().backward()
+        op.step()
+        sizes[dtype] = sum(t.nbytes for st in op.state.values() for k, t in st.items() if k != "step")
+    assert sizes["bfloat16"] * 2 == sizes["float32"] > 0
+
+
 @two_gpus
 def test_async_tensor_parallel_matches_plain_tp(tmp_path):
     """Inductor's micro-pipelined TP (symmetric-memory collectives, compile on) trains as plain
