@@ -1,4 +1,5 @@
-"""tools/bench.py runs settings side by side and writes its table, JSON and chart (no timing asserted)."""
+"""tools/bench.py runs settings side by side and writes its table, JSON and chart (no timing asserted);
+tools/optimizer_sweep.py runs optimizers and rates side by side."""
 import pytest
 import json
 import os
@@ -25,3 +26,18 @@ def test_bench_writes_reports(tmp_path):
     assert next(r for r in rows if r["setting"] == "eager")["speedup"] == 1.0
     assert "| eager ac=full |" in open(tmp_path / "bench.md").read()
     assert os.path.getsize(tmp_path / "bench.png") > 1000
+
+
+def test_optimizer_sweep_prints_both_optimizers_and_their_ratio(tmp_path):
+    """tools/optimizer_sweep.py: one run per (optimizer, lr), a row each, each optimizer's best lr and the
+    ratio of the best losses; sweep.json holds the rows (docs/optimizers.md quotes its output)."""
+    tiny = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--data.seq_len=32",
+            "--training.local_batch_size=4", "--lr_scheduler.warmup_steps=1", "--validation.steps=1"]
+    p = subprocess.run([sys.executable, "tools/optimizer_sweep.py", "--config", "recipes/debug_llama.toml", "--steps",
+                        "3", "--adamw-lr", "1e-3", "--muon-lr", "1e-3,1e-2", "--out", str(tmp_path), "--"] + tiny,
+                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.load(open(tmp_path / "sweep.json"))
+    assert [(r["optimizer"], r["lr"]) for r in rows] == [("adamw", 1e-3), ("muon", 1e-3), ("muon", 1e-2)]
+    assert all(r["val_loss"] is not None and r["tail_loss"] > 0 for r in rows)
+    assert "best adamw: lr 0.001" in p.stdout and "muon / adamw val_loss at their best lr:" in p.stdout, p.stdout
