@@ -204,6 +204,7 @@ def _empty(meta, fqn: str) -> torch.Tensor:
 
 def to_hf(a, overrides: list[str]) -> None:
     cfg = load_config(a.config, overrides)
+    dtype = _dtype(a.dtype)
     if cfg.model.name not in ("llama", "moe", "deepseek_v3"):
         raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama, moe and deepseek_v3 "
                           f"families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); `hf` models export as they are with "
@@ -230,7 +231,7 @@ def to_hf(a, overrides: list[str]) -> None:
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:
-        n = meta[f"model.{f}"].size.numel() * torch.finfo(_dtype(a.dtype)).bits // 8
+        n = meta[f"model.{f}"].size.numel() * torch.finfo(dtype).bits // 8
         if files[-1] and size + n > limit:
             files.append([])
             size = 0
@@ -252,13 +253,13 @@ def to_hf(a, overrides: list[str]) -> None:
         if a.merge_lora:
             base, pairs = lora_export.split(sd)
             sd = lora_export.merge(base, pairs, scale)
-        tensors = {h: t.to(_dtype(a.dtype)).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
+        tensors = {h: t.to(dtype).contiguous() for h, t in to_hf_state_dict(sd, args).items()}
         write_safetensors(tensors, out, names[i])
     if rank == 0:
-        total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(_dtype(a.dtype)).bits // 8
+        total = sum(meta[f"model.{f}"].size.numel() for f in fqns) * torch.finfo(dtype).bits // 8
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
             json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=1)
-        config["torch_dtype"] = str(_dtype(a.dtype)).replace("torch.", "")
+        config["torch_dtype"] = str(dtype).replace("torch.", "")
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)
         print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})"
@@ -267,7 +268,7 @@ def to_hf(a, overrides: list[str]) -> None:
             sd = {f: _empty(meta, f) for f in adapters}
             dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
             folder = os.path.join(out, lora_export.ADAPTER_DIR)
-            lora_export.save_peft(lora_export.split(sd)[1], args, cfg.lora, folder, False, out, _dtype(a.dtype))
+            lora_export.save_peft(lora_export.split(sd)[1], args, cfg.lora, folder, False, out, dtype)
             print(f"wrote {folder}: {len(adapters) // 2} LoRA adapters in PEFT's format "
                   f"(PeftModel.from_pretrained(base, '{folder}'); --merge-lora merges them instead)")
 

@@ -94,18 +94,15 @@ def _k_major_class():
     return _K_MAJOR[0]
 
 
-def mx_tensor_parallel(model: nn.Module) -> int:
+def mx_tensor_parallel(model: nn.Module) -> None:
     """Under TP, run each MX Linear on its local shards: DTensor's own linear would call the local
     wrapper below its matmul override (no MX cast at all). The shard math is the colwise / rowwise
     Linear's: input replicated x weight Shard(0) -> output Shard(-1); input Shard(-1) x weight Shard(1)
     -> Partial (the TP style's output hook then reduces it). MX blocks run along each shard's own
-    contraction slice, the global blocks when K / tp is a multiple of 32 (the recipe check). -> count."""
-    n = 0
+    contraction slice, the global blocks when K / tp is a multiple of 32 (the conversion's filter)."""
     for mod in model.modules():
         if is_mx_linear(mod) and any(p.is_shard() for p in getattr(mod.weight, "placements", ())):
             mod.forward = types.MethodType(_local_mx_forward, mod)
-            n += 1
-    return n
 
 
 def _local_mx_forward(self, x):
@@ -128,12 +125,8 @@ def _mx_experts(mod: nn.Module) -> bool:
 
 
 def is_mx_experts(mod: nn.Module) -> bool:
-    tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
     w = getattr(mod, "w1", None)
-    w = getattr(w, "_local_tensor", w)
-    return tensor is not None and isinstance(w, torch.Tensor) and w.ndim == 3 and (
-        isinstance(w, tensor.MXFP8TrainingWeightWrapperTensor)
-        or isinstance(getattr(w, "data", None), tensor.MXFP8TrainingWeightWrapperTensor))
+    return isinstance(w, torch.Tensor) and w.ndim == 3 and _is_mx_weight(w)
 
 
 def resolve_emulate(emulate, device_type: str) -> bool:
@@ -142,10 +135,15 @@ def resolve_emulate(emulate, device_type: str) -> bool:
 
 def is_mx_linear(mod: nn.Module) -> bool:
     """A Linear whose weight (or, under FSDP2 / TP, its local shard) is torchao's MXFP8 wrapper."""
+    return isinstance(mod, nn.Linear) and _is_mx_weight(mod.weight)
+
+
+def _is_mx_weight(w: torch.Tensor) -> bool:
+    """`w` (a parameter, or a DTensor whose local shard is) holds torchao's MXFP8 weight wrapper."""
+    # No tensor can be one before torchao's module is loaded (by apply_mxfp8).
     tensor = sys.modules.get("torchao.prototype.moe_training.tensor")
-    if tensor is None or not isinstance(mod, nn.Linear):
+    if tensor is None:
         return False
-    w = mod.weight
     w = getattr(w, "_local_tensor", w)
     return isinstance(w, tensor.MXFP8TrainingWeightWrapperTensor) or isinstance(
         getattr(w, "data", None), tensor.MXFP8TrainingWeightWrapperTensor)

@@ -38,14 +38,14 @@ def parameter_kinds(model: nn.Module, head: str) -> dict[str, list]:
     return kinds
 
 
-def build_optimizer(model: nn.Module, cfg, head: str | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg) -> torch.optim.Optimizer:
     """The recipe's optimizer over the model's trainable parameters, grouped by kind: kinds in
     optimizer.weight_decay_exempt never decay; under muon the matrices take Muon's update and every
     other kind AdamW's. `opt.torchmeg_groups` says which kinds went where (the run header's line)."""
     o = cfg.optimizer
-    head = head if head is not None else _head_name(cfg)
-    kinds = parameter_kinds(model, head)
+    kinds = parameter_kinds(model, _head_name(cfg))
     exempt = set(o.weight_decay_exempt)
+    in_out = _in_out_ids(model) if o.name == "muon" else set()
     groups, desc = [], []
     for algorithm, members in _partition(o.name, kinds):
         for decays in (True, False):
@@ -56,7 +56,7 @@ def build_optimizer(model: nn.Module, cfg, head: str | None = None) -> torch.opt
             g = {"params": params, "weight_decay": o.weight_decay if decays else 0.0}
             if o.name == "muon":
                 g.update(algorithm=algorithm, base_lr=(o.muon_lr or o.lr) if algorithm == "muon" else o.lr)
-            groups += _split_in_out(g, model) if algorithm == "muon" else [g]
+            groups += _split_in_out(g, in_out) if algorithm == "muon" else [g]
             desc.append((algorithm, decays, names, sum(p.numel() for p in params)))
     if o.name == "sgd":
         opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.betas[0])
@@ -72,11 +72,15 @@ def build_optimizer(model: nn.Module, cfg, head: str | None = None) -> torch.opt
     return opt
 
 
-def _split_in_out(group: dict, model: nn.Module) -> list[dict]:
+def _in_out_ids(model: nn.Module) -> set[int]:
     """Muon's rate depends on which side of a matrix is its output: torchmeg's grouped experts store
-    [experts, in, out] (a group with in_out=True), Linear weights and transformers' experts [.., out, in]."""
+    [experts, in, out]; Linear weights and transformers' experts [.., out, in]."""
     from torchmeg.models.moe import is_grouped_experts  # lazy: only muon runs ask
-    in_out = {id(p) for m in model.modules() if is_grouped_experts(m) for p in m.parameters(recurse=False)}
+    return {id(p) for m in model.modules() if is_grouped_experts(m) for p in m.parameters(recurse=False)}
+
+
+def _split_in_out(group: dict, in_out: set[int]) -> list[dict]:
+    """`group` split into its [.., out, in] matrices and its `in_out` ones (a group with in_out=True)."""
     split = [dict(group, params=[p for p in group["params"] if (id(p) in in_out) == flag]) for flag in (False, True)]
     split[1]["in_out"] = True
     return [g for g in split if g["params"]]
@@ -94,8 +98,8 @@ def _partition(name: str, kinds: dict) -> list[tuple[str, list[str]]]:
 
 
 def describe_groups(opt, cfg) -> str:
-    """'muon: matrices 12.6M (wd 0.1); adamw: embeddings, head 1.0M (wd 0.1), norms 0.01M (wd 0)' — what each
-    update rule trains and what decays, from the groups build_optimizer made."""
+    """'muon matrices 2.95M (wd 0.1); adamw embeddings, head 0.16M (wd 0.1); adamw norms 2.3K (wd 0)' — what
+    each update rule trains and what decays, from the groups build_optimizer made."""
     parts = []
     for algorithm, decays, names, n in getattr(opt, "torchmeg_groups", []):
         wd = cfg.optimizer.weight_decay if decays else 0.0
@@ -113,9 +117,9 @@ def lr_factor(step: int, cfg) -> float:
     s, t = cfg.lr_scheduler, cfg.training.steps
     if step < s.warmup_steps:
         return (step + 1) / s.warmup_steps
-    wsd = decay_steps(cfg)
     if s.decay_type == "constant" or t <= s.warmup_steps:
         return 1.0
+    wsd = decay_steps(cfg)
     if wsd is None:
         p = min(1.0, (step - s.warmup_steps) / max(1, t - s.warmup_steps - 1))
     elif step < t - wsd:

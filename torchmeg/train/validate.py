@@ -105,7 +105,7 @@ def _check_dpo(cfg, dims) -> None:
 
 def _check_mxfp8(cfg, layout: Layout) -> None:
     """MXFP8 casts each weight gradient's operands in blocks of 32 tokens: a microbatch's tokens per rank
-    must fill whole blocks. Not under TP (below)."""
+    must fill whole blocks."""
     if not (cfg.float8.enable and cfg.float8.recipe in MX_RECIPES):
         return
     rows = layout.local_batch * layout.accum // layout.microbatches if layout.stages else layout.local_batch
