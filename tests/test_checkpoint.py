@@ -228,7 +228,7 @@ def _tiny_llama(**over):
 @pytest.mark.parametrize("tied", [False, True])
 def test_hf_export_and_import_logits(tmp_path, tied):
     from transformers import LlamaForCausalLM
-    from torchmeg.checkpoint.hf import load_hf, save_hf
+    from torchmeg.checkpoint.hf_files import load_hf, save_hf
     m = _tiny_llama(tie_embeddings=tied).eval()
     save_hf(m.state_dict(), m.args, str(tmp_path / "hf"))
     hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()

@@ -33,8 +33,16 @@ CONFIGS = {
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, num_hidden_layers=3,
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # gpt-oss (sinks, a windowed layer then a full one, biased router and experts, the clamped SwiGLU,
+    # YaRN without truncation) at toy width: a window of 8 in 96-token sequences; a clamp of 1.5 that
+    # these weights reach
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0})),
 }
-FAMILY = {"llama31": "llama", "llama_yarn": "llama", "qwen3": "llama", "qwen3_moe": "moe", "deepseek_v3": "deepseek_v3"}
+FAMILY = {"llama31": "llama", "llama_yarn": "llama", "qwen3": "llama", "qwen3_moe": "moe", "deepseek_v3": "deepseek_v3",
+          "gpt_oss": "gpt_oss"}
 
 
 def _hf_folder(path, kind: str, **extra):
@@ -89,6 +97,14 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
         if not kind.startswith("qwen3"):  # the test sees the scaling: plain RoPE gives other logits past the original range
             plain = _native(tmp_path / "out", ["--model.rope_type=default"])(x)
             assert (plain - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
+        if kind == "gpt_oss":  # and the windows, the clamp and the sinks: each changes the logits
+            for off in (["--model.full_every=1"], ["--model.swiglu_limit=100"]):
+                other = _native(tmp_path / "out", off)(x)
+                assert (other - want).abs().max() > 100 * FP32_PARITY * want.abs().max(), off
+            m = _native(tmp_path / "out")
+            for layer in m.layers.values():
+                layer.attention.sinks.weight.fill_(-1e4)
+            assert (m(x) - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
     p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
                         "--prompt", "def main(argv):", "--prompt", "x", "--max-new-tokens", "48", "--ignore-eos",
                         "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -104,7 +120,7 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, cls", [("qwen3", "Qwen3ForCausalLM"), ("qwen3_moe", "Qwen3MoeForCausalLM"),
-                                       ("deepseek_v3", "DeepseekV3ForCausalLM")])
+                                       ("deepseek_v3", "DeepseekV3ForCausalLM"), ("gpt_oss", "GptOssForCausalLM")])
 def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(kind, cls, tmp_path):
     from transformers import AutoModelForCausalLM
     _hf_folder(tmp_path / "hf", kind)
@@ -164,7 +180,7 @@ def test_a_model_type_without_a_native_family_trains_through_hf(tmp_path):
 
 @pytest.mark.slow
 def test_from_hf_under_torchrun_shares_the_tensors_out(tmp_path):
-    """Two ranks convert, each its share of the tensors into its own file: the checkpoint holds the
+    """Two ranks convert, each its share of the tensors into its own files: the checkpoint holds the
     same tensors as a one-process conversion, and every rank wrote a part of it."""
     import torch.distributed.checkpoint as dcp
     from conftest import _launch_ranks
@@ -174,7 +190,9 @@ def test_from_hf_under_torchrun_shares_the_tensors_out(tmp_path):
                        str(tmp_path / "two")], 2, dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     two, one = (tmp_path / d / "checkpoint" / "step-00000000" for d in ("two", "one"))
-    assert sorted(f for f in os.listdir(two) if f.endswith(".distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    files = [f for f in os.listdir(two) if f.endswith(".distcp")]  # __{rank}_{i}: one file a tensor
+    assert {f.split("_")[2] for f in files} == {"0", "1"} and len(files) == len(
+        dcp.FileSystemReader(str(two)).read_metadata().state_dict_metadata)
     meta = dcp.FileSystemReader(str(one)).read_metadata().state_dict_metadata
     assert set(meta) == set(dcp.FileSystemReader(str(two)).read_metadata().state_dict_metadata)
     for path in (one, two):

@@ -102,6 +102,7 @@ def test_every_recipe_plans_at_its_world_and_fits(tmp_path):
     worlds = {name: world for name, world, _, _ in results}
     assert worlds["llama3_8b"] == 8 and worlds["llama3_70b"] == 64
     assert worlds["llama3_8b_long_context"] == 32 and worlds["llama3_405b"] == 512
+    assert worlds["gpt_oss_20b"] == 8 and worlds["gpt_oss_120b"] == 64
 
 
 def test_large_recipes_need_the_users_tokenizer_and_data():

@@ -96,7 +96,8 @@ class Server:
 # ---- the engine in process: every family, sequences joining and leaving ----------------------------
 
 @pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("gpt2", torch.float32), ("moe", torch.float32),
-                                        ("deepseek_v3", torch.float32), ("llama", torch.bfloat16), ("hf", torch.float32)])
+                                        ("deepseek_v3", torch.float32), ("gpt_oss", torch.float32), ("llama", torch.bfloat16),
+                                        ("hf", torch.float32)])
 def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
     """Three slots, five sequences of different prompt and output lengths, greedy and seeded: some
     wait for a slot, one arrives while the others decode, long prompts take a step each (the

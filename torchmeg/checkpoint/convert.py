@@ -20,6 +20,7 @@ is gathered on one rank.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -28,16 +29,20 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torchmeg.checkpoint import lora_export
 from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, file_records, step_dir, tmp_dir
-from torchmeg.checkpoint.hf import (from_hf_state_dict, hf_config, hf_names, to_hf_state_dict, torchmeg_fqn,
-                                    write_safetensors)
+from torchmeg.checkpoint.hf import from_hf_state_dict, hf_names, to_hf_state_dict, torchmeg_fqns
+from torchmeg.checkpoint.hf_files import write_safetensors
+from torchmeg.checkpoint.hf_export import hf_config
+from torchmeg.checkpoint.hf_quant import FolderReader
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
 from torchmeg.data.tokenizer import build_tokenizer
-from torchmeg.models.args import model_args
+from torchmeg.models.args import instantiate, model_args
+from torchmeg.models.spec import get_spec
 from torchmeg.models.lora import SUFFIX, is_adapter
 from torchmeg.runtime.guard import cli_main
 
@@ -101,9 +106,7 @@ def _targets(files: dict, args) -> list[str]:
     for h in files:
         if "rotary_emb" in h or (args.tie_embeddings and h == "lm_head.weight"):
             continue
-        f = torchmeg_fqn(h, args)
-        if f is not None:
-            out.add(f)
+        out.update(torchmeg_fqns(h, args))
     return sorted(out)
 
 
@@ -128,6 +131,12 @@ def from_hf(a) -> None:
     os.makedirs(out, exist_ok=True)
     tok = os.path.join(src, "tokenizer.json")
     tokenizer = os.path.join(out, "tokenizer.json") if os.path.isfile(tok) else "byte"
+    quant = (config.get("quantization_config") or {}).get("quant_method")
+    if native is None and quant:
+        raise ConfigError(f"config.json: quantization_config.quant_method = {quant!r}: torchmeg's `hf` family would "
+                          f"read the quantized tensors as they are; "
+                          + ("use --family auto, whose native family dequantizes them" if a.family == "hf" else
+                             f"model_type {config.get('model_type')!r} has no native family to dequantize them into"))
     if native is None:  # transformers' own modules read the folder themselves
         if rank == 0:
             _copy_tokenizer(src, out)
@@ -137,8 +146,8 @@ def from_hf(a) -> None:
     name, keys = native
     cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
     args = model_args(cfg, None)
-    files = _hf_files(src)
-    found = _targets(files, args)
+    reader = FolderReader(_hf_files(src), config)  # (refuses a quantization it cannot read)
+    found = _targets(reader.keys(), args)
     if getattr(args, "mtp_depth", 0) and not any(f.startswith("mtp.") for f in found):
         # (transformers builds no MTP module, so the folders it writes hold none; DeepSeek's own do)
         if rank == 0:
@@ -153,15 +162,16 @@ def from_hf(a) -> None:
     ckpt = os.path.join(out, "checkpoint")
     tmp, final = tmp_dir(ckpt, 0), step_dir(ckpt, 0)
     dtype = _dtype(a.dtype, config)
-    state = {}
-    for fqn in targets[rank::world]:  # one torchmeg tensor at a time, from its HF tensor(s) in their files
-        parts = {}
-        for h in hf_names(fqn, args):
-            with safe_open(files[h], "pt") as fh:
-                parts[h] = fh.get_tensor(h)
-        state[fqn] = from_hf_state_dict(parts, args, tie=False)[fqn].to(dtype).contiguous()
-        if fqn == "tok_embeddings.weight" and args.tie_embeddings:  # one tensor in the folder, two names here
-            state["output.weight"] = state[fqn]
+    # This rank's share, streamed: DCP plans the save from each tensor's shape (the model's, on the meta
+    # device) and asks for the data one tensor at a time as it writes (_Streaming), one file a tensor
+    # (_writer), so a rank holds one converted tensor (and its HF sources) at a time, never its share.
+    shapes = {k: v.shape for k, v in instantiate(get_spec(name), args, "meta").state_dict().items()}
+    state, loaders = {}, {}
+    for fqn in targets[rank::world]:
+        names = [fqn] + (["output.weight"] if fqn == "tok_embeddings.weight" and args.tie_embeddings else [])
+        for n in names:  # (tied: one tensor in the folder, two names here)
+            state[n] = torch.empty(shapes[fqn], dtype=dtype, device="meta")
+            loaders[f"model.{n}"] = functools.partial(_convert_one, reader, fqn, args, dtype, shapes[fqn])
     if rank == 0 and hasattr(args, "n_experts"):  # a selection bias the folder lacks starts at 0
         state.update({f"{p}.moe.expert_bias": torch.zeros(args.n_experts) for p in _moe_prefixes(args)
                       if f"{p}.moe.expert_bias" not in targets})
@@ -169,10 +179,10 @@ def from_hf(a) -> None:
     if world > 1:
         import torch.distributed as dist  # lazy: only a torchrun conversion has a process group
         dist.init_process_group("gloo")
-        dcp.save({"model": state}, checkpoint_id=tmp)
+        dcp.save({"model": state}, storage_writer=_writer(tmp), planner=_Streaming(loaders))
         dist.barrier()
     else:
-        dcp.save({"model": state}, checkpoint_id=tmp, no_dist=True)
+        dcp.save({"model": state}, storage_writer=_writer(tmp), no_dist=True, planner=_Streaming(loaders))
     if rank == 0:
         _copy_tokenizer(src, out)
         meta = {"step": 0, "model_only": True, "model": f"{name}/converted", "source": src,
@@ -184,6 +194,35 @@ def from_hf(a) -> None:
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _convert_one(reader: FolderReader, fqn: str, args, dtype: torch.dtype, shape) -> torch.Tensor:
+    """torchmeg tensor `fqn` from its HF tensor(s), dequantized where stored quantized."""
+    parts = {h: reader.read(h) for h in hf_names(fqn, args)}
+    t = from_hf_state_dict(parts, args, tie=False)[fqn].to(dtype).contiguous()
+    if t.shape != shape:
+        raise ConfigError(f"{fqn}: the folder's {', '.join(parts)} make a {tuple(t.shape)} tensor where config.json "
+                          f"describes {tuple(shape)}; the folder's config.json does not match its weights")
+    return t
+
+
+def _writer(folder: str) -> dcp.FileSystemWriter:
+    """DCP's file writer, one file per tensor: its writer keeps every tensor of a file until the file is
+    closed (torch 2.13, for its safetensors option), so one file per rank would hold the rank's share."""
+    return dcp.FileSystemWriter(folder, single_file_per_rank=False)
+
+
+class _Streaming(DefaultSavePlanner):
+    """DCP's save planner with each tensor's data made when the writer reaches it (`loaders`: {state
+    key: callable}); the state dict it plans from holds meta tensors of the right shape and dtype."""
+
+    def __init__(self, loaders: dict):
+        super().__init__()
+        self.loaders = loaders
+
+    def resolve_data(self, write_item):
+        load = self.loaders.get(write_item.index.fqn)
+        return load() if load is not None else super().resolve_data(write_item)
 
 
 def _dtype(name: str, config: dict | None = None) -> torch.dtype:
@@ -205,10 +244,10 @@ def _empty(meta, fqn: str) -> torch.Tensor:
 def to_hf(a, overrides: list[str]) -> None:
     cfg = load_config(a.config, overrides)
     dtype = _dtype(a.dtype)
-    if cfg.model.name not in ("llama", "moe", "deepseek_v3"):
-        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama, moe and deepseek_v3 "
-                          f"families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3); `hf` models export as they are with "
-                          f"checkpoint.export_hf")
+    if cfg.model.name not in ("llama", "moe", "deepseek_v3", "gpt_oss"):
+        raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama, moe, deepseek_v3 and "
+                          f"gpt_oss families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss); `hf` models export as "
+                          f"they are with checkpoint.export_hf")
     args = model_args(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
     path = os.path.abspath(a.source)
     if not os.path.isfile(os.path.join(path, MARKER)):
@@ -219,7 +258,8 @@ def to_hf(a, overrides: list[str]) -> None:
     config = hf_config(args)  # (refuses a model transformers has no class for, before any work)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     keep_bias = hasattr(args, "kv_lora_rank")  # DeepSeek-V3 stores the selection bias; Qwen3-MoE has none
-    fqns = sorted(k[len("model."):] for k in meta if k.startswith("model.") and (keep_bias or not k.endswith("expert_bias")))
+    fqns = sorted((k[len("model."):] for k in meta if k.startswith("model.") and (keep_bias or not k.endswith("expert_bias"))),
+                  key=lambda f: f.replace("experts.w3", "experts.w1+").replace("experts.b3", "experts.b1+"))
     if args.tie_embeddings:
         fqns = [f for f in fqns if f != "output.weight"]
     adapters = [f for f in fqns if is_adapter(f)]  # LoRA: merged into their bases, or a PEFT folder beside them
@@ -232,7 +272,8 @@ def to_hf(a, overrides: list[str]) -> None:
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:
         n = meta[f"model.{f}"].size.numel() * torch.finfo(dtype).bits // 8
-        if files[-1] and size + n > limit:
+        shared = len({h for g in files[-1] for h in hf_names(g, args)} & set(hf_names(f, args))) > 0
+        if files[-1] and size + n > limit and not shared:  # (gpt-oss's gate and up: one HF tensor, one file)
             files.append([])
             size = 0
         files[-1].append(f)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchmeg.checkpoint import lora_export
-from torchmeg.checkpoint.hf import save_hf, save_hf_native
+from torchmeg.checkpoint.hf_files import save_hf, save_hf_native
 
 
 def export_hf(model, args, cfg, folder: str) -> None:

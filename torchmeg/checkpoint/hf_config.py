@@ -10,7 +10,7 @@ from torchmeg.models.rope import ROPE_TYPES
 
 # model_type -> (torchmeg model name, QK norm)
 NATIVE = {"llama": ("llama", False), "qwen3": ("llama", True), "qwen3_moe": ("moe", True),
-          "deepseek_v3": ("deepseek_v3", False)}
+          "deepseek_v3": ("deepseek_v3", False), "gpt_oss": ("gpt_oss", False)}
 
 
 def rope_parameters(config: dict) -> dict:
@@ -64,18 +64,38 @@ def _deepseek_v3_keys(config: dict) -> dict:
             "mtp_depth": config.get("num_nextn_predict_layers", config.get("num_mtp_layers", 0)) or 0}
 
 
+def _gpt_oss_keys(config: dict) -> dict:
+    """gpt-oss: sinks, windowed layers every `full_every` - 1 of each full one (layer_types), biased
+    router and experts with the clamped SwiGLU; another layer pattern is refused by key."""
+    n = config["num_hidden_layers"]
+    types = config.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    every = full[0] + 1 if full else 0
+    if not every or types != ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]:
+        raise _refuse("layer_types", types, "only windowed layers with a full one every k-th (k >= 1) are implemented")
+    if not config.get("attention_bias", True):
+        raise _refuse("attention_bias", False, "gpt-oss's attention has biases")
+    return {"n_experts": config["num_local_experts"], "top_k": config["num_experts_per_tok"],
+            "moe_hidden": config["intermediate_size"], "n_shared_experts": 0, "score_func": "softmax",
+            "route_norm": True, "balance": "aux_loss", "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+            "n_dense_layers": 0, "router_bias": True, "experts_bias": True,
+            "swiglu_limit": float(config.get("swiglu_limit", 7.0)), "swiglu_alpha": float(config.get("swiglu_alpha", 1.702)),
+            "sliding_window": int(config.get("sliding_window") or 128), "full_every": every, "attention_bias": True}
+
+
 def native_model_keys(config: dict) -> tuple[str, dict] | None:
     """(torchmeg model name, [model] keys) for a config a native family implements, else None."""
     kind = config.get("model_type")
     if kind not in NATIVE:
         return None
     name, qk_norm = NATIVE[kind]
+    oss = name == "gpt_oss"
     for field, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if config.get(field, ok) != ok:
+        if config.get(field, ok) != ok and not (oss and field == "attention_bias"):
             raise _refuse(field, config[field], f"the native {name} has {field} = {ok!r} only")
     if config.get("pretraining_tp", 1) != 1:
         raise _refuse("pretraining_tp", config["pretraining_tp"], "only 1 is implemented")
-    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
+    if not oss and (config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or [])):
         raise _refuse("use_sliding_window / layer_types", config.get("layer_types"), "sliding-window layers are not implemented")
     rope = rope_parameters(config)
     kind = rope.get("rope_type", "default") or "default"
@@ -99,6 +119,8 @@ def native_model_keys(config: dict) -> tuple[str, dict] | None:
                     rope_high_freq_factor=float(rope["high_freq_factor"]))
     if name == "moe":
         keys.update(_qwen3_moe_keys(config))
+    if oss:
+        keys.update(_gpt_oss_keys(config))
     if name == "deepseek_v3":  # (head_dim is the rotary part's, set by the model; no kv heads in MLA)
         for k in ("head_dim", "n_kv_heads", "qk_norm"):
             keys.pop(k)

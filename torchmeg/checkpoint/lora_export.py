@@ -14,7 +14,8 @@ import os
 
 import torch
 
-from torchmeg.checkpoint.hf import hf_names, tensor_to_hf, write_safetensors
+from torchmeg.checkpoint.hf import hf_names, tensor_to_hf
+from torchmeg.checkpoint.hf_files import write_safetensors
 from torchmeg.models.lora import SUFFIX, is_adapter
 
 ADAPTER_DIR = "adapter"  # beside the base model's safetensors

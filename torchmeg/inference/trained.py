@@ -14,7 +14,7 @@ from torchmeg.train.build import BuiltModel, build_parallel_model
 from torchmeg.checkpoint.manager import load_model_weights, resolve_folder
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
-from torchmeg.checkpoint.hf import load_hf_native
+from torchmeg.checkpoint.hf_files import load_hf_native
 from torchmeg.config.layout import Layout
 from torchmeg.inference.kv_replicas import ReplicatedKVState
 

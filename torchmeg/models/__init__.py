@@ -1,4 +1,4 @@
-"""Plain single-device models (llama, gpt2, moe; any transformers causal LM as `hf`) and the registry
+"""Plain single-device models (llama, gpt2, moe, deepseek_v3, gpt_oss; any transformers causal LM as `hf`) and the registry
 that describes them to the parallel code as data.
 
   spec.py    ModelSpec, register(), get_spec(): name -> class, args, flavors, TP plan, pipeline split

@@ -56,7 +56,7 @@ def _experts(m: nn.Module) -> tuple[int, int, int] | None:
     """(expert weights, experts per token, experts) of an experts module: torchmeg's grouped
     experts, or transformers' (top_k from its config: the router that picks lives elsewhere)."""
     if is_grouped_experts(m):
-        return m.w1.numel() + m.w2.numel() + m.w3.numel(), m.top_k, m.n_experts
+        return sum(p.numel() for p in m.parameters(recurse=False)), m.top_k, m.n_experts
     if is_hf_experts(m):
         top_k = getattr(getattr(m, "config", None), "num_experts_per_tok", None) or m.num_experts
         return m.gate_up_proj.numel() + m.down_proj.numel(), top_k, m.num_experts

@@ -47,6 +47,11 @@ class KVCache:
         self.length += n
         self.cursor += n
 
+    def query_slots(self, n: int) -> torch.Tensor:
+        """[1, n] the key slots the next n tokens are written at (every row alike): a windowed layer
+        masks keys more than its window behind them."""
+        return self._slots(n)[None]
+
     def _slots(self, n: int) -> torch.Tensor:
         base = self.cursor if self.static else self.length
         return base + torch.arange(n, device=self.pad.device)

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from torchmeg.models.init import Normal
+from torchmeg.models.init import Constant, Normal
 from torchmeg.models.llama import DECODER_TP, Attention, FeedForward, Llama, LlamaArgs, RMSNorm
 
 
@@ -48,6 +49,10 @@ class MoEArgs(LlamaArgs):
     topk_groups: int = 1                # ... and a token's k experts come from its best this-many groups
     route_scale: float = 1.0            # routed outputs' weights x this (DeepSeek-V3's routed_scaling_factor)
     seq_aux_loss_coef: float = 0.0      # DeepSeek-V3's complementary sequence-wise balance loss (alpha); 0 = off
+    router_bias: bool = False           # a bias on the router's logits (gpt-oss)
+    experts_bias: bool = False          # biases in every routed expert's projections (gpt-oss)
+    swiglu_limit: float = 0.0           # > 0: gpt-oss's clamped SwiGLU (gate <= limit, |up| <= limit, (up + 1))
+    swiglu_alpha: float = 1.702         # ... and its gate's sigmoid slope
 
     def problems(self) -> list[tuple[str, str]]:
         """(model key, what is wrong) for every routing setting that cannot work."""
@@ -63,19 +68,63 @@ class MoEArgs(LlamaArgs):
         return out
 
 
-def expert_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts: list[int]) -> torch.Tensor:
-    """SwiGLU of each expert over its contiguous slice of expert-sorted tokens."""
-    outs = [(F.silu(x @ w1_EDH[e]) * (x @ w3_EDH[e])) @ w2_EHD[e]
-            for e, x in enumerate(torch.split(x_TD, counts)) if x.shape[0]]
-    return torch.cat(outs) if outs else x_TD.new_zeros(0, w2_EHD.shape[-1])
+class ExpertWeights(NamedTuple):
+    """An experts module's weights as its FFN reads them (EP passes each rank's local shards): w1 / w3
+    [E, D, H] gate and up, w2 [E, H, D] down; b1 / b3 [E, H] and b2 [E, D] their biases or None;
+    `act` the gated activation of (gate, up)."""
+    w1: torch.Tensor
+    w2: torch.Tensor
+    w3: torch.Tensor
+    b1: torch.Tensor | None
+    b2: torch.Tensor | None
+    b3: torch.Tensor | None
+    act: Callable
 
 
-def grouped_ffn(w1_EDH, w2_EHD, w3_EDH, x_TD, counts_E: torch.Tensor) -> torch.Tensor:
-    """The same SwiGLU in three grouped matmuls: expert e's rows end at offs[e], a device tensor,
-    so nothing waits for the counts on the host."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class ClampedSwiGLU:
+    """gpt-oss's expert activation: gate clamped above at `limit`, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1) (transformers' GptOssExperts._apply_gate)."""
+
+    def __init__(self, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+def _plus(x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x if b is None else x + b
+
+
+def expert_ffn(w: ExpertWeights, x_TD: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The gated FFN of each expert over its contiguous slice of expert-sorted tokens."""
+    def one(e, x):
+        b = [None if t is None else t[e] for t in (w.b1, w.b2, w.b3)]
+        h = w.act(_plus(x @ w.w1[e], b[0]), _plus(x @ w.w3[e], b[2]))
+        return _plus(h @ w.w2[e], b[1])
+    outs = [one(e, x) for e, x in enumerate(torch.split(x_TD, counts)) if x.shape[0]]
+    return torch.cat(outs) if outs else x_TD.new_zeros(0, w.w2.shape[-1])
+
+
+def grouped_ffn(w: ExpertWeights, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """The same FFN in three grouped matmuls: expert e's rows end at offs[e], a device tensor,
+    so nothing waits for the counts on the host (biases gathered per row, the row count known)."""
     offs = counts_E.cumsum(0).to(torch.int32)
-    h = F.silu(torch._grouped_mm(x_TD, w1_EDH, offs=offs)) * torch._grouped_mm(x_TD, w3_EDH, offs=offs)
-    return torch._grouped_mm(h, w2_EHD, offs=offs)
+    row = None
+    if w.b1 is not None:
+        row = torch.repeat_interleave(torch.arange(counts_E.numel(), device=x_TD.device), counts_E,
+                                      output_size=x_TD.shape[0])
+
+    def bias(b):
+        return None if b is None else b[row]
+    h = w.act(_plus(torch._grouped_mm(x_TD, w.w1, offs=offs), bias(w.b1)),
+              _plus(torch._grouped_mm(x_TD, w.w3, offs=offs), bias(w.b3)))
+    return _plus(torch._grouped_mm(h, w.w2, offs=offs), bias(w.b2))
 
 
 def expert_counts(idx: torch.Tensor, n: int) -> torch.Tensor:
@@ -101,20 +150,42 @@ def grouped_mm_takes(x_TD: torch.Tensor, w_EDH: torch.Tensor) -> bool:
     return False
 
 
+EXPERT_WEIGHTS = ("w1", "w2", "w3", "b1", "b2", "b3")
+
+
+def expert_weights(experts: nn.Module, view: Callable = lambda t: t) -> ExpertWeights:
+    """An experts module's weights as the FFN reads them, each through `view` (EP: its local shard);
+    a module without biases or `act` (a user's own, duck-typed) reads as plain SwiGLU."""
+    return ExpertWeights(*(None if getattr(experts, n, None) is None else view(getattr(experts, n))
+                           for n in EXPERT_WEIGHTS), getattr(experts, "act", swiglu))
+
+
 def local_dispatch(experts: "GroupedExperts", x_TD: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    if grouped_mm_takes(x_TD, experts.w1) and grouped_mm_takes(x_TD, experts.w2):
-        return grouped_ffn(experts.w1, experts.w2, experts.w3, x_TD, counts)
-    return expert_ffn(experts.w1, experts.w2, experts.w3, x_TD, counts.tolist())
+    w = expert_weights(experts)
+    if grouped_mm_takes(x_TD, w.w1) and grouped_mm_takes(x_TD, w.w2):
+        return grouped_ffn(w, x_TD, counts)
+    return expert_ffn(w, x_TD, counts.tolist())
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
+    """E gated FFNs as grouped weights; `bias` adds per-expert biases b1 / b2 / b3 (gpt-oss), `act` the
+    gated activation (default SwiGLU)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, bias: bool = False,
+                 act: Callable = swiglu):
         super().__init__()
-        self.n_experts, self.top_k = n_experts, top_k  # top_k: for counting active FLOPs
+        self.n_experts, self.top_k, self.act = n_experts, top_k, act  # top_k: for counting active FLOPs
         self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        if bias:
+            self.b1 = nn.Parameter(torch.empty(n_experts, hidden))
+            self.b2 = nn.Parameter(torch.empty(n_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(n_experts, hidden))
+        else:
+            self.b1 = self.b2 = self.b3 = None
         self.dispatch = local_dispatch
+
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return self.dispatch(self, x_TD, counts_E)
@@ -187,8 +258,9 @@ class MoE(nn.Module):
     def __init__(self, a: MoEArgs):
         super().__init__()
         self.a = a
-        self.router = nn.Linear(a.dim, a.n_experts, bias=False)
-        self.experts = GroupedExperts(a.dim, a.moe_hidden, a.n_experts, a.top_k)
+        self.router = nn.Linear(a.dim, a.n_experts, bias=a.router_bias)
+        act = ClampedSwiGLU(a.swiglu_alpha, a.swiglu_limit) if a.swiglu_limit > 0 else swiglu
+        self.experts = GroupedExperts(a.dim, a.moe_hidden, a.n_experts, a.top_k, bias=a.experts_bias, act=act)
         self.shared = FeedForward(a.dim, a.moe_hidden * a.n_shared_experts) if a.n_shared_experts else None
         # Selection bias (aux-loss-free balancing) and this step's routed-token counts: buffers,
         # so they are checkpointed and follow the module's device.
@@ -214,9 +286,15 @@ class MoE(nn.Module):
         if self.a.n_expert_groups > 1:
             select = limit_to_groups(select, self.a.n_expert_groups, self.a.topk_groups)
         _, idx_TK = select.topk(self.a.top_k, dim=-1)
-        w_TK = scores.gather(-1, idx_TK)
-        if self.a.route_norm:
-            w_TK = w_TK / w_TK.sum(-1, keepdim=True)
+        if self.a.score_func == "softmax" and self.a.route_norm:
+            # the renormalised top-k of a softmax is the softmax of the top-k logits: computed so, the
+            # experts not chosen get no gradient (through the full softmax they get rounding residues,
+            # which summed over a batch's tokens make the router bias's gradient ~1% noise)
+            w_TK = logits.gather(-1, idx_TK).softmax(-1)
+        else:
+            w_TK = scores.gather(-1, idx_TK)
+            if self.a.route_norm:
+                w_TK = w_TK / w_TK.sum(-1, keepdim=True)
         if self.a.route_scale != 1.0:
             w_TK = w_TK * self.a.route_scale
         counts = expert_counts(idx_TK, self.a.n_experts)
@@ -278,6 +356,8 @@ class MoETransformer(Llama):
             return Normal(a.init_std)
         if fqn.endswith("experts.w2"):
             return Normal(a.init_std / math.sqrt(2 * a.n_layers))
+        if fqn.endswith(("experts.b1", "experts.b2", "experts.b3", "router.bias")):
+            return Constant(0.0)
         return super().init_rule(fqn)
 
     def init_buffers(self) -> None:

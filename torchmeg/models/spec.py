@@ -13,7 +13,7 @@ from typing import Callable
 from torch import nn
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.models import deepseek_v3, gpt2, hf_causal, llama, moe
+from torchmeg.models import deepseek_v3, gpt2, gpt_oss, hf_causal, llama, moe
 
 
 @dataclass
@@ -78,6 +78,7 @@ register(ModelSpec("gpt2", gpt2.GPT2, gpt2.GPT2Args, gpt2.FLAVORS, tp_plan=gpt2.
 register(ModelSpec("moe", moe.MoETransformer, moe.MoEArgs, moe.FLAVORS, tp_plan=llama.plan_with_qk_norm(moe.TP_PLAN)))
 register(ModelSpec("deepseek_v3", deepseek_v3.DeepSeekV3, deepseek_v3.DeepSeekV3Args, deepseek_v3.FLAVORS,
                    tp_plan=deepseek_v3.tp_plan, pp_last=("norm", "output", "mtp")))
+register(ModelSpec("gpt_oss", gpt_oss.GptOss, gpt_oss.GptOssArgs, gpt_oss.FLAVORS, tp_plan=gpt_oss.TP_PLAN))
 # Any transformers causal LM from its config.json; the TP plan is the model's own
 # base_model_tp_plan, translated when the model is parallelized.
 register(ModelSpec("hf", hf_causal.HFCausalLM, hf_causal.HFArgs, {}, tp_plan=lambda model: model.tp_plan(),

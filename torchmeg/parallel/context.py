@@ -375,6 +375,10 @@ def check_model_has_attention(model_name: str, has_sdpa: bool, cp: int) -> None:
 
 def check(cfg, args, dims) -> None:
     cp, tp = dims.cp, dims.tp
+    if hasattr(args, "sliding_window"):
+        raise ConfigError(f"parallelism.context_parallel_degree = {cp}: model.name = {cfg.model.name!r} attends "
+                          f"with sinks and sliding windows, which torchmeg's context-parallel kernels do not "
+                          f"compute; use TP, FSDP, EP or PP (its windowed layers need no long context split)")
     mode = cfg.parallelism.context_parallel_mode
     if mode == "ring" and cfg.data.document_masking:
         raise ConfigError("parallelism.context_parallel_mode = \"ring\" with data.document_masking = true: not "

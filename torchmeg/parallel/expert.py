@@ -37,6 +37,10 @@ from torchmeg.models import moe as moe_model  # (moe_model.expert_counts: the pl
 from torchmeg.models.moe import expert_ffn, grouped_ffn, grouped_mm_takes, is_grouped_experts
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local()
+
+
 class AllToAllDispatch:
     def __init__(self, ep_mesh, n_experts: int):
         self.group = ep_mesh.get_group()
@@ -70,11 +74,11 @@ class AllToAllDispatch:
         if is_hf_experts(experts):
             y = _hf_local_ffn(experts, x_sorted, per_expert)
         else:
-            w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
-            if grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2):
-                y = grouped_ffn(w1, w2, w3, x_sorted, recv_counts.view(ep, El).sum(0))
+            w = moe_model.expert_weights(experts, _local)
+            if grouped_mm_takes(x_sorted, w.w1) and grouped_mm_takes(x_sorted, w.w2):
+                y = grouped_ffn(w, x_sorted, recv_counts.view(ep, El).sum(0))
             else:
-                y = expert_ffn(w1, w2, w3, x_sorted, per_expert)
+                y = expert_ffn(w, x_sorted, per_expert)
         y = y[order.argsort()]
         return all_to_all_single_autograd(y.contiguous(), send, recv, self.group)
 
@@ -86,8 +90,8 @@ class CapacityDispatch(AllToAllDispatch):
     graphs and a stream that never stalls need; Megatron's capacity factor with padding). Rows
     beyond a peer's C are dropped (their expert output is zero; `dropped` counts them); with
     factor = ep nothing can be dropped and the result is the dropless one. The padding rows are
-    zeros given to the last local expert, whose grouped matmuls map them to zeros (SwiGLU of 0 is
-    0): no row is left outside the groups. Needs grouped matmuls (bf16 on CUDA sm90+, fp32 / bf16
+    zeros given to the last local expert, so no row is left outside the groups; their outputs are
+    never read back and carry no gradient. Needs grouped matmuls (bf16 on CUDA sm90+, fp32 / bf16
     on CPU)."""
 
     def __init__(self, ep_mesh, n_experts: int, factor: float):
@@ -129,12 +133,12 @@ class CapacityDispatch(AllToAllDispatch):
             h = experts._apply_gate(torch._grouped_mm(x_sorted, w[0].transpose(-2, -1), offs=offs))
             y = torch._grouped_mm(h, w[1].transpose(-2, -1), offs=offs)
         else:
-            w1, w2, w3 = experts.w1.to_local(), experts.w2.to_local(), experts.w3.to_local()
-            if not (grouped_mm_takes(x_sorted, w1) and grouped_mm_takes(x_sorted, w2)):
+            w = moe_model.expert_weights(experts, _local)
+            if not (grouped_mm_takes(x_sorted, w.w1) and grouped_mm_takes(x_sorted, w.w2)):
                 raise ConfigError(f"parallelism.expert_capacity_factor = {self.factor}: needs grouped matmuls, not "
                                   f"there for {x_sorted.dtype} here (bf16 on CUDA sm90+, which the planner assumes; "
                                   f"fp32 / bf16 on CPU); use mixed_precision = \"bf16\" or expert_capacity_factor = 0")
-            y = grouped_ffn(w1, w2, w3, x_sorted, sizes)
+            y = grouped_ffn(w, x_sorted, sizes)
         y = all_to_all_single_autograd(y[order.argsort()].contiguous(), None, None, self.group)
         return torch.cat([y, y.new_zeros(1, D)])[slot]  # dropped rows: zeros
 
@@ -145,7 +149,7 @@ def apply_ep(model: nn.Module, ep_mesh, capacity_factor: float = 0.0) -> list[nn
     params = []
     for m in model.modules():
         if is_grouped_experts(m):
-            names, n = ("w1", "w2", "w3"), m.n_experts
+            names, n = [k for k in moe_model.EXPERT_WEIGHTS if getattr(m, k, None) is not None], m.n_experts
         elif is_hf_experts(m):
             _check_hf_layout(m)
             names, n = ("gate_up_proj", "down_proj"), m.num_experts

@@ -22,6 +22,8 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
                        replicated, their gradients summed over tp (each rank routes other tokens), the
                        balance losses' token statistics summed over tp; the routed experts are spread
                        over the tp ranks by expert parallel (torchmeg.parallel.expert)
+  head_sharded         a module holding one parameter entry per query head (gpt-oss's sinks): each
+                       rank gets its heads' entries, read as a plain tensor
   colwise / rowwise    Megatron column / row parallel nn.Linear (Shoeybi et al. 2019, eq. 3 and 4)
   output               column-parallel LM head: vocab-sharded logits for loss_parallel, else gathered
   replicate_grad_allreduce
@@ -48,7 +50,7 @@ from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_input_local",
          "sp_replicated", "experts_over_tp", "colwise", "rowwise", "output", "replicate_grad_allreduce",
-         "head_shared")
+         "head_shared", "head_sharded")
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -117,6 +119,20 @@ class _ExpertsOverTP(ParallelStyle):
         return module
 
 
+class _ShardHeads(ParallelStyle):
+    """head_sharded: the module's parameters sharded on dim 0 (heads), its output this rank's part."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def partition(name, mod, mesh):
+            for key, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]), p.requires_grad))
+
+        def output_fn(mod, out, mesh):
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition_fn=partition, output_fn=output_fn)
+
+
 class _SumGradOverTP(ParallelStyle):
     """head_shared: forward unchanged; the input's gradient, a partial sum on each rank, is summed
     over the group (to_local's grad_placements mark it Partial; from_local's backward reduces it)."""
@@ -157,6 +173,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return _ReplicateGradAllReduce()
     if role == "head_shared":
         return _SumGradOverTP()
+    if role == "head_sharded":
+        return _ShardHeads()
     if role == "sp_input_local" and sp:
         rest = (None,) * (_n_positional(module) - 1)
         return Prep(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest,

@@ -5,7 +5,7 @@ A server admits and retires sequences at every step, so here each slot keeps its
 forward names the slots it runs (`bind`): a prefill writes one sequence's prompt into its slot; a
 decode step writes one token per running slot, each at its own position, and attends over the
 slots' keys up to the longest one, the rest masked. The model code is the same as for generation:
-it calls `layer(name).attend / append` and `owner.mask`.
+it calls `layer(name).attend / update / append`, `owner.mask` and `owner.query_slots`.
 
 Buffers are contiguous per slot, [slots, kv heads, max_len, head dim] per layer, allocated at the
 first write (so under TP each rank holds its own heads). Pages (vLLM's PagedAttention) would let
@@ -52,6 +52,10 @@ class SlotCache:
         keys = torch.arange(self.read_len, device=dev)
         self._mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
         return positions
+
+    def query_slots(self, n: int) -> torch.Tensor:
+        """[slots bound, n] each new token's position in its slot (kv_cache.KVCache.query_slots)."""
+        return self.write_at
 
     def mask(self, n: int, keys: int) -> torch.Tensor:
         assert n == self.n and keys == self.read_len, (n, keys, self.n, self.read_len)

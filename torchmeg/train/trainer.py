@@ -28,7 +28,7 @@ from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import LossSpikeError
 from torchmeg.parallel.float8 import precompute_scales
 from torchmeg.checkpoint.export import export_hf
-from torchmeg.checkpoint.hf import load_initial_hf
+from torchmeg.checkpoint.hf_files import load_initial_hf
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import MetricsLogger, format_line, model_state_bytes, peak_memory_gib
 from torchmeg.models.count import flops_per_token

@@ -20,7 +20,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.checkpoint.folder import MARKER, committed_steps
 from torchmeg.config.support import check_supported
 from torchmeg.checkpoint.folder import check_folder
-from torchmeg.checkpoint.hf import check_initial_load
+from torchmeg.checkpoint.hf_files import check_initial_load
 from torchmeg.config.layout import Layout, StagePlan
 from torchmeg.models.args import check_model_args, model_args
 from torchmeg.models.attention import check_document_masking
