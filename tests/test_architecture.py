@@ -260,6 +260,21 @@ def test_models_import_nothing_distributed():
     assert not bad, bad
 
 
+DTENSOR_CALLS = {"to_local", "full_tensor", "redistribute", "from_local", "device_mesh", "placements"}
+
+
+def test_models_handle_no_dtensor():
+    """Nor do they read DTensors themselves (duck-typed or not): a sharded tensor is handed to a model
+    as a plain one by the parallel code (a style's hooks, or a swappable view such as `tp_local`)."""
+    bad = [f"{mod}:{node.lineno} .{node.attr}" for mod, tree in _TREES.items() if mod.startswith("torchmeg.models")
+           for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr in DTENSOR_CALLS]
+    bad += [f"{mod}:{node.lineno} hasattr(.., {node.args[1].value!r})" for mod, tree in _TREES.items()
+            if mod.startswith("torchmeg.models") for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("hasattr", "getattr") and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant) and node.args[1].value in DTENSOR_CALLS]
+    assert not bad, bad
+
+
 def test_no_module_imports_a_facade_name():
     """Internal code imports from the submodule that defines a name, never through a package's lazy
     facade (which would hide the real edge and could close a cycle at first use)."""

@@ -65,9 +65,11 @@ class DeepSeekV3Args(MoEArgs):
         return out
 
 
-def local_rows(w: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a (possibly tensor-parallel) weight: the heads it holds."""
-    return w.to_local() if hasattr(w, "to_local") else w
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A module's `tp_local` view of a tensor: in a plain model the tensor itself. Tensor parallel sets
+    `tp_local` to this rank's part as a plain tensor (torchmeg.parallel.tensor), where a weight's rows
+    (the heads it holds) or a replicated loss value are read outside the modules' own forwards."""
+    return t
 
 
 class HeadShared(nn.Module):
@@ -97,6 +99,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(a.n_heads * self.v_dim, a.dim, bias=False)
         self.rope_key = HeadShared()
         self.sdpa = causal_attention  # swappable kernel (context parallel), as Llama's attention
+        self.tp_local = plain  # swappable view (tensor parallel: this rank's heads of wkv_b)
         # YaRN stretches the softmax temperature by mscale^2 (DeepSeek's softmax_scale); applied to
         # the query so every kernel keeps its default 1/sqrt(qk) scale.
         m = yarn_mscale(a.rope_factor, a.rope_mscale_all_dim) if a.rope_type == "yarn" and a.rope_mscale_all_dim else 1.0
@@ -134,7 +137,7 @@ class MLA(nn.Module):
         query (q_nope W_uk: scores against c directly) and its value half after the softmax."""
         B, L = q_nope.shape[:2]
         lat_B1SX = cache.append(torch.cat([c_BLR, k_pe_BL1r[:, :, 0]], -1).unsqueeze(1))
-        w = local_rows(self.wkv_b.weight).view(-1, self.nope + self.v_dim, self.rank)
+        w = self.tp_local(self.wkv_b.weight).view(-1, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_lat = torch.einsum("blhn,hnr->bhlr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe.transpose(1, 2)], -1)
@@ -190,12 +193,11 @@ def mtp_weights(ahead: torch.Tensor, depth: int, chunks: int = 1, shards: int = 
     return (per_chunk * shards / per_chunk.sum((1, 2), keepdim=True).clamp_min(1)).view_as(valid)
 
 
-def _ce(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+def _ce(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, local=plain) -> torch.Tensor:
     x = logits.flatten(0, 1).float()
     if weight is None:
         return F.cross_entropy(x, target.flatten(), ignore_index=IGNORE)
-    ce = F.cross_entropy(x, target.flatten(), ignore_index=IGNORE, reduction="none")
-    ce = ce.full_tensor() if hasattr(ce, "full_tensor") else ce  # (vocabulary-parallel: replicated values)
+    ce = local(F.cross_entropy(x, target.flatten(), ignore_index=IGNORE, reduction="none"))  # (vocab-parallel: replicated)
     return (ce * weight.flatten()).sum()
 
 
@@ -219,29 +221,25 @@ class DeepSeekV3(MoETransformer):
                 ahead_weight=None, last_only=False):
         """As Llama's; in training, `ahead` (mtp_ahead) or the `labels` [B, L] (the next tokens) it
         is built from feed the MTP modules, their losses weighted by `ahead_weight` (mtp_weights)
-        when given, else each the mean over its targets.
-
-        Pipeline stages (a split copy lacks the embedding or the final norm): the first stage embeds
-        the tokens ahead with the one embedding table and every stage but the last passes those
-        embeddings on beside the hidden state, one tensor [B, L, (1 + depth) E]. The MTP modules on
-        the last stage thus read the first stage's embedding and its gradient flows back through the
-        pipeline, with no second copy of the table to keep in sync (Megatron instead keeps a copy on
-        the last stage and all-reduces the two tables' gradients). Cost: (1 + depth) x the p2p bytes."""
+        when given, else each the mean over its targets. (A pipeline stage, holding part of the
+        model, runs torchmeg.parallel.pipeline's stage forward over embed_ahead / head_and_mtp.)"""
         D = self.args.mtp_depth
-        first, last = self.tok_embeddings is not None, self.norm is not None
-        if ahead is None and labels is not None and D and first:
+        if ahead is None and labels is not None and D:
             ahead = mtp_ahead(tokens_BL, labels, D)
-        staged = not (first and last)
-        if not D or ahead is None or cache is not None or not (self.training or staged):
+        if not D or ahead is None or cache is not None or not self.training:
             return super().forward(tokens_BL, positions=positions, cache=cache, documents=documents, last_only=last_only)
         rope = self.rope_inputs(positions, documents)
-        if first:
-            h, e = self.tok_embeddings(tokens_BL), [self.tok_embeddings(ahead[..., k]) for k in range(D)]
-        else:
-            h, *e = tokens_BL.chunk(D + 1, -1)
-        h = self.run_layers(h, rope)
-        if not last:
-            return torch.cat([h, *e], -1)
+        h = self.run_layers(self.tok_embeddings(tokens_BL), rope)
+        return self.head_and_mtp(h, self.embed_ahead(ahead), rope, ahead, ahead_weight)
+
+    def embed_ahead(self, ahead: torch.Tensor) -> list[torch.Tensor]:
+        """The embeddings of the tokens ahead, one [B, L, E] per MTP depth (the one embedding table)."""
+        return [self.tok_embeddings(ahead[..., k]) for k in range(self.args.mtp_depth)]
+
+    def head_and_mtp(self, h, e: list, rope: tuple, ahead, ahead_weight):
+        """From the last block's output: the logits, and in training the MTP modules' loss riding on
+        them into the gradient (the embeddings ahead `e` from embed_ahead)."""
+        D = self.args.mtp_depth
         out = self.norm(h)
         logits = self.output(out) if not self.head_in_loss else out
         if not self.training:  # (a pipeline's evaluation: the main loss only)
@@ -252,14 +250,14 @@ class DeepSeekV3(MoETransformer):
         for k, module in enumerate(self.mtp.values()):
             h, normed = module(h, e[k], cos, sin, positions=pos, **kw)
             total = total + _ce(self.output(normed), ahead[..., D + k],
-                                None if ahead_weight is None else ahead_weight[..., k])
+                                None if ahead_weight is None else ahead_weight[..., k], self.tp_local)
         mtp = total / D
         if self.record_stats:
-            # (under TP with loss_parallel the loss is a replicated DTensor: its value, as a plain tensor)
-            value = mtp.detach()
-            self.mtp_loss += (value.full_tensor() if hasattr(value, "full_tensor") else value) * self.mtp_log_scale
+            # (under TP with loss_parallel the loss is replicated: `tp_local` reads its value)
+            self.mtp_loss += self.tp_local(mtp.detach()) * self.mtp_log_scale
         return _AuxLoss.apply(logits, mtp * (self.args.mtp_loss_weight * self.aux_loss_scale))
 
+    tp_local = staticmethod(plain)  # swappable view, as MLA's (tensor parallel with loss_parallel)
     # set by the training loop: like each MoE layer's, the gradient scale (1 / accumulated
     # microbatches; 1 under PP, whose schedule scales gradients itself) and the log's (1 / microbatches)
     aux_loss_scale = 1.0

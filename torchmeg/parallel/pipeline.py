@@ -12,6 +12,7 @@ Stage placement: looped schedules give rank r stages r, r+pp, ...; V schedules g
 from __future__ import annotations
 
 import copy
+import types
 import time
 
 import torch
@@ -136,8 +137,35 @@ def split_model(model: nn.Module, spec, counts: list[int], ids: list[int]) -> li
         if s != len(counts) - 1:
             for name in spec.pp_last:
                 setattr(part, name, None)
+        if getattr(getattr(part, "args", None), "mtp_depth", 0) and hasattr(part, "head_and_mtp"):
+            part.forward = types.MethodType(mtp_stage_forward, part)
         parts.append(part)
     return parts
+
+
+def mtp_stage_forward(self, tokens_BL, positions=None, cache=None, documents=None, labels=None, ahead=None,
+                      ahead_weight=None, last_only=False):
+    """A pipeline stage of a model with multi-token prediction (DeepSeek-V3; models.deepseek_v3): the
+    first stage embeds the tokens ahead with the one embedding table and every stage but the last
+    passes those embeddings on beside the hidden state, one tensor [B, L, (1 + depth) E]. The MTP
+    modules on the last stage thus read the first stage's embedding and its gradient flows back
+    through the pipeline, with no second copy of the table to keep in sync (Megatron instead keeps a
+    copy on the last stage and all-reduces the two tables' gradients). Cost: (1 + depth) x the p2p
+    bytes. Every stage is given `ahead` (the training loop builds it from whole sequences)."""
+    D = self.args.mtp_depth
+    first, last = self.tok_embeddings is not None, self.norm is not None
+    if ahead is None or cache is not None:
+        return type(self).forward(self, tokens_BL, positions=positions, cache=cache, documents=documents,
+                                  labels=labels, last_only=last_only)
+    rope = self.rope_inputs(positions, documents)
+    if first:
+        h, e = self.tok_embeddings(tokens_BL), self.embed_ahead(ahead)
+    else:
+        h, *e = tokens_BL.chunk(D + 1, -1)
+    h = self.run_layers(h, rope)
+    if not last:
+        return torch.cat([h, *e], -1)
+    return self.head_and_mtp(h, e, rope, ahead, ahead_weight)
 
 
 class StageUnion(nn.Module):

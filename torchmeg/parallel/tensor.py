@@ -153,6 +153,11 @@ def _float8_styles():
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
+def _local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor as a plain tensor (a replicated one: its whole value)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float8_tp: bool = False):
     """The DTensor ParallelStyle for a role, or None where the role is a no-op in this setting.
 
@@ -251,6 +256,9 @@ def apply_tp(model: nn.Module, tp_mesh, plan, sp: bool, loss_parallel: bool, flo
     styles = expand_plan(model, plan, sp, loss_parallel, float8_tp, matched)
     parallelize_module(model, tp_mesh, styles)
     shard_adapters(model, tp_mesh, styles)
+    for m in model.modules():  # a model reading tensors outside its modules' forwards (MLA's cached attention)
+        if hasattr(m, "tp_local"):
+            m.tp_local = _local_part
     for n, p in model.named_parameters():  # SequenceParallel's replicated weights come back trainable
         if n in frozen:
             p.requires_grad_(False)
