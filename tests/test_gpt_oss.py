@@ -87,3 +87,14 @@ def test_context_parallel_is_refused_in_one_line():
         validate(cfg, world_size=2, data=False)
     msg = str(e.value)
     assert "context_parallel_degree = 2" in msg and "sinks" in msg and "\n" not in msg
+
+
+@pytest.mark.slow
+def test_gpt_oss_compiled_matches_eager(tmp_path, reference):
+    """torch.compile of the blocks (two graphs: the windowed layers' and the full ones', the window a
+    static attribute) vs eager, 1e-4 as the other compile tests (fused kernels reorder fp32 work)."""
+    from test_compiler import assert_compiled
+    p = run_cli(OSS + ["--training.local_batch_size=4", "--compile.enable=true"], tmp_path, timeout=300)
+    assert_parity(reference, read_metrics(tmp_path), 1e-4, keys=("loss", "grad_norm", "val_loss"))
+    assert "compiled 4 blocks" in p.stdout, p.stdout[-2000:]
+    assert_compiled(p.stdout)

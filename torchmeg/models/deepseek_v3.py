@@ -229,8 +229,8 @@ class DeepSeekV3(MoETransformer):
         if not D or ahead is None or cache is not None or not self.training:
             return super().forward(tokens_BL, positions=positions, cache=cache, documents=documents, last_only=last_only)
         rope = self.rope_inputs(positions, documents)
-        h = self.run_layers(self.tok_embeddings(tokens_BL), rope)
-        return self.head_and_mtp(h, self.embed_ahead(ahead), rope, ahead, ahead_weight)
+        h, e = self.tok_embeddings(tokens_BL), self.embed_ahead(ahead)
+        return self.head_and_mtp(self.run_layers(h, rope), e, rope, ahead, ahead_weight)
 
     def embed_ahead(self, ahead: torch.Tensor) -> list[torch.Tensor]:
         """The embeddings of the tokens ahead, one [B, L, E] per MTP depth (the one embedding table)."""
