@@ -98,3 +98,15 @@ def test_gpt_oss_compiled_matches_eager(tmp_path, reference):
     assert_parity(reference, read_metrics(tmp_path), 1e-4, keys=("loss", "grad_norm", "val_loss"))
     assert "compiled 4 blocks" in p.stdout, p.stdout[-2000:]
     assert_compiled(p.stdout)
+
+
+def test_optimizer_kinds_put_expert_biases_with_the_biases():
+    """The experts' biases are 2-D ([experts, hidden]) but biases: AdamW without decay under Muon,
+    never orthogonalised as matrices."""
+    from torchmeg.train.optim import parameter_kinds
+    m = _model()
+    kinds = {k: {id(p) for p in ps} for k, ps in parameter_kinds(m, "output").items()}
+    experts = m.layers["0"].moe.experts
+    for name in ("b1", "b2", "b3"):
+        assert id(getattr(experts, name)) in kinds["biases"], name
+    assert id(experts.w1) in kinds["matrices"] and id(m.layers["0"].moe.router.bias) in kinds["biases"]

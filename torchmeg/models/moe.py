@@ -186,6 +186,8 @@ class GroupedExperts(nn.Module):
             self.b1 = self.b2 = self.b3 = None
         self.dispatch = local_dispatch
 
+    bias_names = ("b1", "b2", "b3")  # per-expert biases, 2-D: biases to the optimizer, not matrices
+
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return self.dispatch(self, x_TD, counts_E)

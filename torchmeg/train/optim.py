@@ -16,8 +16,8 @@ KINDS = ("matrices", "embeddings", "head", "norms", "biases", "adapters")
 
 def parameter_kinds(model: nn.Module, head: str) -> dict[str, list]:
     """The trainable parameters by kind, each once (a tied head is the embedding): embeddings (nn.Embedding
-    weights), head (the top-level module `head`), adapters (LoRA's A and B), biases, norms (every other 1-D
-    weight) and matrices (the rest: the hidden Linears, experts, routers)."""
+    weights), head (the top-level module `head`), adapters (LoRA's A and B), biases (a module's `bias_names`
+    too: grouped experts' per-expert biases), norms (every other 1-D weight) and matrices (the rest: the hidden Linears, experts, routers)."""
     kinds, seen = {k: [] for k in KINDS}, set()
     for mname, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
@@ -30,8 +30,10 @@ def parameter_kinds(model: nn.Module, head: str) -> dict[str, list]:
                 kind = "head"
             elif mname.endswith("_lora") or "_lora." in mname:
                 kind = "adapters"
+            elif pname.endswith("bias") or pname in getattr(mod, "bias_names", ()):  # (grouped experts' b1 .. b3: 2-D)
+                kind = "biases"
             elif p.ndim < 2:
-                kind = "biases" if pname.endswith("bias") else "norms"
+                kind = "norms"
             else:
                 kind = "matrices"
             kinds[kind].append(p)
