@@ -249,7 +249,7 @@ def test_bad_requests_get_the_api_errors_and_the_server_goes_on(server):
              (post(dict(ok, max_tokens="2")), 400, "max_tokens"),                           # wrong type
              (post(dict(ok, temperature=-1)), 400, "temperature"),                          # out of range
              (post(dict(ok, max_tokens=5000)), 400, "max_tokens"),                          # beyond the context
-             (post(dict(ok, logprobs=2)), 400, "logprobs"),                                 # not implemented
+             (post(dict(ok, presence_penalty=0.5)), 400, "presence_penalty"),               # not implemented
              (post(dict(ok, model="gpt-4")), 404, "model")]
     for (got, body), status, param in cases:
         assert got == status and set(body["error"]) == {"message", "type", "param", "code"}, body
@@ -260,6 +260,121 @@ def test_bad_requests_get_the_api_errors_and_the_server_goes_on(server):
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}])
     assert _complete(server.client, "import os", 3)[1:] == ("length", 3)
+
+
+def test_engine_log_probs_are_the_models():
+    """A job asking for log-probs (top 3) and its prompt's (echo), among others that do not: the prompt
+    tokens' log-probs = log_softmax of one forward over the prompt, each generated token's = that of the
+    forward over everything before it (the raw logits, whatever the sampling), the top 3 sorted and led by
+    the token's own under greedy; max_tokens 0 scores the prompt and generates nothing."""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=3, max_len=64, max_queue=8)
+    prompt = list(b"def parse(text):\n    return")
+    jobs = [Job(prompt, 6, Sampling(), on_event=lambda *a: None, logprobs=3, prompt_logprobs=True),
+            Job(prompt, 6, Sampling(temperature=1.0, seed=7), on_event=lambda *a: None, logprobs=0),
+            Job(list(b"import os"), 4, Sampling(), on_event=lambda *a: None),
+            Job(prompt, 0, Sampling(), on_event=lambda *a: None, logprobs=1, prompt_logprobs=True)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    with torch.no_grad():
+        for j in jobs[:2]:
+            seq = torch.tensor([prompt + j.tokens])
+            lp = model(seq)[0].log_softmax(-1)
+            want = lp[torch.arange(seq.shape[1] - 1), seq[0, 1:]]
+            got = [v for v, _ in j.prompt_token_logprobs] + [v for v, _ in j.token_logprobs]
+            got = got if j.prompt_logprobs else want[:len(prompt) - 1].tolist() + got
+            assert_tensor_close(torch.tensor(got), want, FP32_PARITY, "log-probs")
+            assert len(j.token_logprobs) == 6 and all(len(top) == j.logprobs for _, top in j.token_logprobs)
+        for t, (v, top) in zip(jobs[0].tokens, jobs[0].token_logprobs):
+            assert top[0] == (t, v) and [x for _, x in top] == sorted((x for _, x in top), reverse=True)
+    assert jobs[3].tokens == [] and jobs[3].finish_reason == "length"
+    assert [v for v, _ in jobs[3].prompt_token_logprobs] == [v for v, _ in jobs[0].prompt_token_logprobs]
+    assert jobs[2].token_logprobs == [] and jobs[2].tokens
+
+
+def test_engine_penalties_are_openais():
+    """presence / frequency penalties (OpenAI's rule: logit - frequency x count - presence x (count > 0),
+    over the tokens generated so far): greedy tokens = a decode loop applying the rule by hand, and
+    different from the unpenalised ones; a job without penalties in the same steps is unaffected."""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
+    prompt = list(b"aaaa")
+    jobs = [Job(prompt, 12, Sampling(), on_event=lambda *a: None, presence=0.5, frequency=1.5),
+            Job(prompt, 12, Sampling(), on_event=lambda *a: None)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    with torch.no_grad():
+        seq = list(prompt)
+        for _ in range(12):
+            logits = model(torch.tensor([seq]))[0, -1].float()
+            counts = torch.bincount(torch.tensor(seq[len(prompt):], dtype=torch.long), minlength=logits.shape[0])
+            seq.append(int((logits - 1.5 * counts - 0.5 * (counts > 0).float()).argmax()))
+    assert jobs[0].tokens == seq[len(prompt):] and jobs[0].tokens != jobs[1].tokens
+    assert jobs[1].tokens == generate(model, [prompt], 12, -1, Sampling(), "cpu")[0].tokens
+
+
+@pytest.mark.slow
+def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, server):
+    """What an evaluation harness sends to score a prompt (echo, logprobs, max_tokens 0): the prompt's
+    log-probs = transformers' on the checkpoint's HF export; completions and chat report each generated
+    token's log-prob with its top alternatives, sorted, the greedy token first."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(debug_run / "debug" / "checkpoint" / "hf")).eval()
+    ids = list(b"def fibonacci(n):\n    if n < 2:\n        return n")
+    r = server.client.completions.create(model="debug", prompt=[ids], echo=True, logprobs=2, max_tokens=0)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) and r.usage.completion_tokens == 0
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    assert_tensor_close(torch.tensor(lp.token_logprobs[1:]), want, FP32_PARITY, "echoed prompt log-probs")
+    r = server.client.completions.create(model="debug", prompt="import os\n", logprobs=3, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert "".join(lp.tokens) == r.choices[0].text and len(lp.top_logprobs) == 8
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and top[tok] == v == values[0]
+    c = server.client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=2, max_tokens=6, temperature=0)
+    content = c.choices[0].logprobs.content
+    assert "".join(x.token for x in content).startswith(c.choices[0].message.content)  # (a stop string is cut)
+    assert all(x.top_logprobs[0].logprob == x.logprob and len(x.top_logprobs) == 2 for x in content)
+    status, body = server.request("POST", "/tokenize", json.dumps({"prompt": "def f"}).encode())
+    assert status == 200 and json.loads(body)["tokens"] == list(b"def f")
+    status, body = server.request("POST", "/detokenize", json.dumps({"tokens": list(b"def f")}).encode())
+    assert status == 200 and json.loads(body)["prompt"] == "def f"
+
+
+@pytest.mark.slow
+def test_abandoned_request_freed_unseeded_sampling_random_and_bodies_in_the_api_shape(server):
+    """A non-streamed request whose client times out is cancelled within a step (its slot free within a
+    second, far short of its 1,900 tokens); two unseeded temperature-1 requests differ, two seeded ones
+    (seed 0 too) agree; a body that is not UTF-8 and a prompt beyond the context get the API's errors."""
+    quick = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=0.5)
+    before = server.metrics()["torchmeg_generation_tokens_total"]
+    with pytest.raises(openai.APITimeoutError):
+        quick.completions.create(model="debug", prompt="def f(x):", max_tokens=1900, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    left = time.time()
+    while server.metrics()["torchmeg_running"]:
+        assert time.time() - left < 1.0, "the abandoned request still holds its slot"
+        time.sleep(0.02)
+    assert server.metrics()["torchmeg_generation_tokens_total"] - before < 1900
+    texts = {seed: [_complete(server.client, "import", 24, temperature=1.0, seed=seed)[0] for _ in range(2)]
+             for seed in (None, 0, 5)}
+    assert texts[None][0] != texts[None][1]
+    assert texts[0][0] == texts[0][1] and texts[5][0] == texts[5][1] and texts[0][0] != texts[5][0]
+    status, body = server.request("POST", "/v1/completions", b'{"model": "debug", "prompt": "\xff\xfe"}')
+    assert status == 400 and set(json.loads(body)["error"]) == {"message", "type", "param", "code"}, body
+    with pytest.raises(openai.BadRequestError, match="your prompt has"):
+        server.client.chat.completions.create(model="debug", messages=[{"role": "user", "content": "x" * 2100}])
 
 
 @pytest.mark.slow

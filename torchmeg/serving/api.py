@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,12 +14,14 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from torchmeg.inference.engine import Sampling
-from torchmeg.serving.protocol import ChatRequest, CompletionRequest, error_body
+from torchmeg.serving.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
 from torchmeg.serving.scheduler import Engine, Job, QueueFull
 
-_DISCONNECT_POLL_S = 0.5
+_DISCONNECT_POLL_S = 0.5   # with no token for this long, ask whether the client is still there
+_DISCONNECT_EVERY_S = 0.1  # and at least this often while tokens come
 
 
 @dataclass
@@ -51,6 +54,16 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
             return JSONResponse(error_body(f"the body is not valid JSON: {e.get('msg')}"), status_code=400)
         return JSONResponse(error_body(f"{where or 'body'}: {e.get('msg')}", param=where or None), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        # FastAPI's own 4xx (a body it cannot decode, e.g. not UTF-8; an unknown route or method), in
+        # the API's error shape rather than {"detail": ...}
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 400 and "parsing the body" in message:
+            message = "the body is not valid JSON in UTF-8 (" + message + ")"
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(message, kind), status_code=exc.status_code, headers=exc.headers)
+
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
         return JSONResponse(exc.body, status_code=exc.status)
@@ -73,6 +86,18 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
             lines += [f"# TYPE {name} {kind}", f"{name} {v}"]
         return PlainTextResponse("\n".join(lines) + "\n")
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ids = s.tokenizer.encode(body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": s.max_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = s.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+        return {"prompt": s.tokenizer.decode(body.tokens)}
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check(s, body)
@@ -80,12 +105,15 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
             else [body.prompt]
         ids = [_ids(s, p) for p in prompts]
         texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
-        max_tokens = body.max_tokens or 16
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
         for i in ids:
-            _fits(s, len(i), max_tokens)
+            _fits(s, len(i), max_tokens, allow_zero=body.echo)
         eos = frozenset() if body.ignore_eos else frozenset({s.tokenizer.eos_id})
         specs = [(p, i) for p in range(len(ids)) for i in range(body.n)]
         jobs = [_job(ids[p], max_tokens, body, i, body.stops(), eos) for p, i in specs]
+        for job in jobs:
+            job.logprobs = -1 if body.logprobs is None else body.logprobs
+            job.prompt_logprobs = body.echo and body.logprobs is not None
         prefix = [texts[p] if body.echo else "" for p, _ in specs]
         usage_prompt = sum(len(i) for i in ids)
         return await _respond(s, request, body, jobs, "cmpl", prefix, usage_prompt, chat=False)
@@ -98,7 +126,7 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
         text = s.template.render([{"role": m.role, "content": m.text()} for m in body.messages],
                                  add_generation_prompt=True)
         ids = s.tokenizer.encode(text) or [s.tokenizer.eos_id]
-        max_tokens = body.max_completion_tokens or body.max_tokens or s.max_len - len(ids)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(s.max_len - len(ids), 0)
         _fits(s, len(ids), max_tokens)
         end = s.template.terminator()
         end_ids = s.tokenizer.encode(end) if end else []
@@ -107,6 +135,8 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
             eos.add(end_ids[0])  # the end of the turn is one token (HF templates): stop there
         stops = body.stops() + ((end,) if end and not body.ignore_eos else ())
         jobs = [_job(ids, max_tokens, body, i, stops, frozenset(eos)) for i in range(body.n)]
+        for job in jobs:
+            job.logprobs = (body.top_logprobs or 0) if body.logprobs else -1
         return await _respond(s, request, body, jobs, "chatcmpl", [""] * body.n, len(ids), chat=True)
 
     return app
@@ -130,16 +160,24 @@ def _ids(s: Served, prompt) -> list[int]:
     return list(prompt)
 
 
-def _fits(s: Served, prompt: int, max_tokens: int) -> None:
-    if max_tokens < 1 or prompt + max_tokens > s.max_len:
+def _fits(s: Served, prompt: int, max_tokens: int, allow_zero: bool = False) -> None:
+    if prompt >= s.max_len + allow_zero:
+        raise ApiError(400, f"This model's maximum context length is {s.max_len} tokens. However, your prompt has "
+                            f"{prompt} tokens, which leaves no room for a completion. Please reduce the prompt.",
+                       "messages", code="context_length_exceeded")
+    if max_tokens < (0 if allow_zero else 1) or prompt + max_tokens > s.max_len:
         raise ApiError(400, f"This model's maximum context length is {s.max_len} tokens. However, you requested "
                             f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} for the completion). "
                             f"Please reduce the prompt or max_tokens.", "max_tokens", code="context_length_exceeded")
 
 
 def _job(ids, max_tokens, body, index: int, stops, eos) -> Job:
-    sampling = Sampling(body.temperature, body.top_k, body.top_p, body.seed or 0)
-    return Job(list(ids), max_tokens, sampling, on_event=None, stop=stops, eos_ids=eos, sample_index=index)
+    # an unseeded request draws its own seed: identical requests at a temperature differ, as with any
+    # sampler; a seeded one is a function of (prompt, sampling, seed), the seed 0 included
+    seed = body.seed if body.seed is not None else secrets.randbits(62)
+    sampling = Sampling(body.temperature, body.top_k, body.top_p, seed)
+    return Job(list(ids), max_tokens, sampling, on_event=None, stop=stops, eos_ids=eos, sample_index=index,
+               presence=body.presence_penalty, frequency=body.frequency_penalty)
 
 
 async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str, prefix: list[str],
@@ -159,16 +197,20 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
         return StreamingResponse(_stream(s, request, body, jobs, events, rid, created, prefix, prompt_tokens, chat),
                                  media_type="text/event-stream")
     texts, reasons = list(prefix), [None] * len(jobs)
+    checked = time.monotonic()
     try:
         while None in reasons:
             try:
                 i, text, reason = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                texts[i] += text
+                reasons[i] = reason
             except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - checked >= _DISCONNECT_EVERY_S and None in reasons:
+                # (tokens come every step: a client that left is noticed between them, not only in a lull)
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     return JSONResponse(error_body("client disconnected"), status_code=499)
-                continue
-            texts[i] += text
-            reasons[i] = reason
     finally:
         for job in jobs:  # a disconnected (or failed) request frees its slots
             if job.finish_reason is None:
@@ -178,11 +220,13 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
         raise ApiError(500, f"generation failed: {failed[0][7:]}", kind="server_error")
     usage = _usage(prompt_tokens, jobs)
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r, "logprobs": None}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": r,
+                    "logprobs": _chat_logprobs(s, j, j.tokens, j.token_logprobs)}
+                   for i, (t, r, j) in enumerate(zip(texts, reasons, jobs))]
         return {"id": rid, "object": "chat.completion", "created": created, "model": s.model_id, "choices": choices,
                 "usage": usage}
-    choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+    choices = [{"index": i, "text": t, "logprobs": _completion_logprobs(s, j, echo=bool(prefix[i]) or body.echo),
+                "finish_reason": r} for i, (t, r, j) in enumerate(zip(texts, reasons, jobs))]
     return {"id": rid, "object": "text_completion", "created": created, "model": s.model_id, "choices": choices,
             "usage": usage}
 
@@ -190,12 +234,22 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
 async def _stream(s: Served, request: Request, body, jobs, events, rid, created, prefix, prompt_tokens, chat):
     obj = "chat.completion.chunk" if chat else "text_completion"
 
+    done = [0] * len(jobs)  # tokens whose log-probs were sent, per job
+    echoed = [False] * len(jobs)  # the prompt's log-probs (echo) go with the job's first event
+
     def chunk(i, text, reason, first=False):
+        job, lp = jobs[i], None
+        if job.logprobs >= 0 and not first:
+            n = min(len(job.tokens), len(job.token_logprobs))  # (the engine's thread may be appending)
+            ids, scores = job.tokens[done[i]:n], job.token_logprobs[done[i]:n]
+            echo, echoed[i] = job.prompt_logprobs and not echoed[i], True
+            done[i] = n
+            lp = _chat_logprobs(s, job, ids, scores) if chat else _completion_logprobs(s, job, echo, ids, scores)
         if chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": i, "delta": delta, "finish_reason": reason, "logprobs": lp}
         else:
-            choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": i, "text": text, "finish_reason": reason, "logprobs": lp}
         return _sse({"id": rid, "object": obj, "created": created, "model": s.model_id, "choices": [choice]})
 
     left = len(jobs)
@@ -224,6 +278,44 @@ async def _stream(s: Served, request: Request, body, jobs, events, rid, created,
         for job in jobs:
             if job.finish_reason is None:
                 s.engine.cancel(job)
+
+
+def _piece(s: Served, token: int) -> str:
+    return s.tokenizer.decode([token])
+
+
+def _completion_logprobs(s: Served, job: Job, echo: bool, ids=None, scores=None) -> dict | None:
+    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset (the echoed
+    prompt's first, its first token without a log-prob)."""
+    if job.logprobs < 0:
+        return None
+    ids = job.tokens if ids is None else ids
+    scores = job.token_logprobs if scores is None else scores
+    tokens, values, tops = [], [], []
+    if echo and job.prompt_logprobs:
+        tokens, values, tops = [job.prompt[0]], [None], [None]
+        for t, (lp, top) in zip(job.prompt[1:], job.prompt_token_logprobs):
+            tokens.append(t), values.append(lp), tops.append(top)
+    for t, (lp, top) in zip(ids, scores):
+        tokens.append(t), values.append(lp), tops.append(top)
+    pieces = [_piece(s, t) for t in tokens]
+    offsets, at = [], 0
+    for p in pieces:
+        offsets.append(at)
+        at += len(p)
+    return {"tokens": pieces, "token_logprobs": values, "text_offset": offsets,
+            "top_logprobs": [None if top is None else {_piece(s, t): v for t, v in top} for top in tops]}
+
+
+def _chat_logprobs(s: Served, job: Job, ids, scores) -> dict | None:
+    """Chat's logprobs object: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    if job.logprobs < 0:
+        return None
+
+    def one(t, lp):
+        piece = _piece(s, t)
+        return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+    return {"content": [dict(one(t, lp), top_logprobs=[one(u, v) for u, v in top]) for t, (lp, top) in zip(ids, scores)]}
 
 
 def _usage(prompt_tokens: int, jobs: list[Job]) -> dict:

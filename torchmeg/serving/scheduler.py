@@ -50,18 +50,26 @@ class Job:
     eos_ids: frozenset = frozenset()
     sample_index: int = 0
     cancelled: bool = False
+    presence: float = 0.0        # OpenAI's presence / frequency penalties on the tokens generated so far
+    frequency: float = 0.0
+    logprobs: int = -1           # >= 0: each token's log-probability and the top this-many (-1: none)
+    prompt_logprobs: bool = False  # the prompt's tokens' too (echo), with the same top count
     # the engine's
     slot: int = -1
     tokens: list[int] = field(default_factory=list)
     sent: int = 0            # characters of the text already given to on_event
     stream: int = 0          # its random stream (inference.engine.row_streams)
     finish_reason: str | None = None
+    token_logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(token, logprob)...])
+    prompt_token_logprobs: list = field(default_factory=list)  # per prompt token after the first, alike
 
 
 @dataclass
 class Plan:
-    """One step's forwards: prompts to prefill into their slots, then one decode token per slot."""
+    """One step's forwards: prompts to prefill into their slots, then one decode token per slot;
+    `full`: the slots whose prefill keeps every position's logits (prompt log-probs)."""
     prefill: list[tuple[int, list[int]]] = field(default_factory=list)
+    full: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
@@ -143,7 +151,8 @@ class Engine:
             decoding = [j for j in self.running.values()]
             for job in admitted:
                 self.running[job.slot] = job
-        plan = Plan(prefill=[(j.slot, j.prompt) for j in admitted], rows=[j.slot for j in decoding],
+        plan = Plan(prefill=[(j.slot, j.prompt) for j in admitted], full=[j.slot for j in admitted if j.prompt_logprobs],
+                    rows=[j.slot for j in decoding],
                     tokens=[j.tokens[-1] for j in decoding],
                     starts=[len(j.prompt) + len(j.tokens) - 1 for j in decoding])
         jobs = admitted + decoding
@@ -152,6 +161,8 @@ class Engine:
                 self.channel(plan)
             logits = self.forward(plan)
             new = self._sample(logits, jobs)
+            scores = self._logprobs(logits, jobs, new)
+            prompt_scores = {j.slot: self._prompt_logprobs(j) for j in admitted if j.prompt_logprobs}
         except Exception as e:  # noqa: BLE001 - the requests of this step learn why; the server goes on
             log.exception("step failed")
             with self.cond:
@@ -163,19 +174,29 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["prompt_tokens"] += sum(len(j.prompt) for j in admitted)
         with self.cond:
-            for job, t in zip(jobs, new):
-                if not job.cancelled:
-                    self._advance(job, t)
+            for job in admitted:
+                job.prompt_token_logprobs = prompt_scores.get(job.slot, [])
+            for job, t, score in zip(jobs, new, scores):
+                if job.cancelled:
+                    continue
+                if job.max_tokens == 0:  # (echo with max_tokens 0: the prompt scored, nothing generated)
+                    self._finish(job, "length")
+                else:
+                    self._advance(job, t, score)
 
     def forward(self, plan: Plan) -> torch.Tensor:
         """Run a plan's forwards -> the logits [prefills + decodes, V] (every rank runs this)."""
         if self.own_cache:
             return self._forward_each(plan)
-        out = []
+        out, self._full = [], {}
         for slot, prompt in plan.prefill:
             positions = self.cache.bind([slot], [0], len(prompt))
             tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            out.append(self.model(tokens, positions=positions, cache=self.cache, **self._last_only)[:, -1])
+            full = slot in plan.full
+            logits = self.model(tokens, positions=positions, cache=self.cache, **({} if full else self._last_only))
+            if full:
+                self._full[slot] = logits[0]
+            out.append(logits[:, -1])
         if plan.rows:
             positions = self.cache.bind(plan.rows, plan.starts, 1)
             tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
@@ -200,12 +221,16 @@ class Engine:
         slots: each sequence runs alone over a cache of its own (models.kv_cache with one row), the
         same forwards torchmeg.generate runs for it. Sequences still join and leave at every step;
         only the decode forwards are not batched."""
-        out = []
+        out, self._full = [], {}
         for slot, prompt in plan.prefill:
             cache = self.own[slot] = KVCache(1, self.max_len, device=self.device)
             tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
-            out.append(self.model(tokens, positions=cache.positions(len(prompt)), cache=cache,
-                                  **self._last_only)[:, -1])
+            full = slot in plan.full
+            logits = self.model(tokens, positions=cache.positions(len(prompt)), cache=cache,
+                                **({} if full else self._last_only))
+            if full:
+                self._full[slot] = logits[0]
+            out.append(logits[:, -1])
             cache.advance(len(prompt))
         for slot, token in zip(plan.rows, plan.tokens):
             cache = self.own[slot]
@@ -215,8 +240,17 @@ class Engine:
         return torch.cat(out).float() if out else torch.empty(0)
 
     def _sample(self, logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-        """Each row by its own request's sampling; rows that share it in one call. One host read."""
+        """Each row by its own request's sampling (its penalties first); rows that share it in one call.
+        One host read."""
         nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
+        penalized = [i for i, j in enumerate(jobs) if (j.presence or j.frequency) and j.tokens]
+        if penalized:
+            logits = logits.clone()
+            for i in penalized:
+                j, ids = jobs[i], torch.tensor(jobs[i].tokens, device=logits.device)
+                counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+                    0, ids, torch.ones(len(j.tokens), device=logits.device))
+                logits[i] -= j.frequency * counts + j.presence * (counts > 0).float()
         groups: dict[Sampling, list[int]] = {}
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampling, []).append(i)
@@ -227,9 +261,29 @@ class Engine:
             nxt[rows] = sample(logits[rows], s, streams, steps)
         return nxt.tolist()
 
-    def _advance(self, job: Job, token: int) -> None:
+    def _logprobs(self, logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:
+        """Per row, (the sampled token's log-probability, the top k (token, log-probability) pairs) for
+        the jobs that asked (None for the others): the raw logits' log-softmax, one host read."""
+        want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
+        out = [None] * len(jobs)
+        if want:
+            rows = torch.tensor(want, device=logits.device)
+            chosen = torch.tensor([new[i] for i in want], device=logits.device)
+            for i, entry in zip(want, _scores(logits[rows], chosen, max(jobs[i].logprobs for i in want))):
+                out[i] = (entry[0], entry[1][:jobs[i].logprobs])
+        return out
+
+    def _prompt_logprobs(self, job: Job) -> list:
+        """The prompt's tokens after the first: each one's log-probability given those before it."""
+        logits = self._full[job.slot].float()
+        target = torch.tensor(job.prompt[1:], device=logits.device)
+        return [(lp, top[:job.logprobs]) for lp, top in _scores(logits[:-1], target, job.logprobs)]
+
+    def _advance(self, job: Job, token: int, score=None) -> None:
         if token in job.eos_ids:
             return self._finish(job, "stop")
+        if score is not None:
+            job.token_logprobs.append(score)  # (before on_event: the API reads it for this token)
         job.tokens.append(token)
         self.counters["generation_tokens"] += 1
         text = self.tok.decode(job.tokens)
@@ -265,6 +319,17 @@ class Engine:
         if self.running.get(job.slot) is job:
             del self.running[job.slot]
             heapq.heappush(self.free, job.slot)
+
+
+def _scores(logits_NV: torch.Tensor, chosen_N: torch.Tensor, k: int) -> list:
+    """[(log p(chosen), [(token, log p)] of the k most likely, best first)] per row."""
+    lp = logits_NV.float().log_softmax(-1)
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+    picked = lp.gather(-1, chosen_N[:, None])[:, 0].tolist()
+    if top is None:
+        return [(p, []) for p in picked]
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return [(p, list(zip(i, v))) for p, i, v in zip(picked, ids, values)]
 
 
 def follow(engine: Engine, receive: Callable[[], Plan]) -> None:
