@@ -1,6 +1,6 @@
 """python -m torchmeg.serve --config RECIPE [--section.key=value ...] [--host 127.0.0.1] [--port 8000]
        [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--prefill-tokens 4096] [--dtype auto]
-       [--served-model-name NAME]
+       [--served-model-name NAME] [--drain-timeout 60]
 
 Serves the recipe's trained model over HTTP with OpenAI's API (/v1/completions,
 /v1/chat/completions, streamed or not; /v1/models, /health, /metrics), batching concurrent
@@ -8,7 +8,8 @@ requests continuously. The weights: the newest committed checkpoint of the recip
 (--checkpoint.load_step=N, --checkpoint.folder=DIR as for torchmeg.generate), a torchmeg.convert
 folder (--checkpoint.folder), or Hugging Face weights for `hf` models. One process, or under
 torchrun tensor parallel over every launched process (rank 0 answers HTTP; the others follow).
-Listens on 127.0.0.1 unless --host says otherwise. SIGTERM: finishes the requests in flight, exits 0.
+Listens on 127.0.0.1 unless --host says otherwise. SIGTERM: stops accepting, finishes the requests in
+flight for up to --drain-timeout seconds, then closes what is left (their slots freed), exits 0.
 Needs the serve extra: pip install -e '.[serve]'.
 """
 from __future__ import annotations
@@ -53,6 +54,8 @@ def parse(argv: list[str]):
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
     ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")
+    ap.add_argument("--drain-timeout", type=float, default=60.0,
+                    help="SIGTERM: seconds the requests in flight may take to finish; then they are closed")
     return ap.parse_known_args(argv)
 
 
@@ -65,7 +68,8 @@ def prepare(argv: list[str]):
     limit = layout.args.max_seq_len
     a.max_model_len = a.max_model_len or limit
     for flag, v, lo in (("--max-seqs", a.max_seqs, 1), ("--max-queue", a.max_queue, 0), ("--port", a.port, 0),
-                        ("--prefill-tokens", a.prefill_tokens, 1), ("--max-model-len", a.max_model_len, 2)):
+                        ("--prefill-tokens", a.prefill_tokens, 1), ("--max-model-len", a.max_model_len, 2),
+                        ("--drain-timeout", a.drain_timeout, 0)):
         if v < lo:
             raise ConfigError(f"{flag} {v}: must be >= {lo}")
     if a.max_model_len > limit:
@@ -143,7 +147,8 @@ def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
     # ours lets the process end normally (exit 0) once the requests in flight are answered.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False)).run()
+    uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
+                                  timeout_graceful_shutdown=a.drain_timeout)).run()
     if failed:
         raise failed[0]
 
