@@ -184,7 +184,8 @@ FLAVORS = {
     "debug": dict(_GPT_OSS, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=-1,
                   max_seq_len=2048, rope_original_max_seq_len=256, sliding_window=16, n_experts=8, top_k=2,
                   moe_hidden=128, ffn_dim=128),
-    # openai/gpt-oss-20b and gpt-oss-120b as their config.json (21B / 117B total, 3.6B / 5.1B active)
+    # openai/gpt-oss-20b and gpt-oss-120b as their config.json (20.9B / 116.8B parameters; 4.2B / 5.7B
+    # active per token counting the embedding, 3.6B / 5.1B without it, as OpenAI counts)
     "20B": dict(_GPT_OSS, dim=2880, n_layers=24, n_experts=32, moe_hidden=2880, ffn_dim=2880),
     "120B": dict(_GPT_OSS, dim=2880, n_layers=36, n_experts=128, moe_hidden=2880, ffn_dim=2880),
 }
