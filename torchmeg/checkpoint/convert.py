@@ -272,8 +272,9 @@ def to_hf(a, overrides: list[str]) -> None:
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:
         n = meta[f"model.{f}"].size.numel() * torch.finfo(dtype).bits // 8
-        shared = len({h for g in files[-1] for h in hf_names(g, args)} & set(hf_names(f, args))) > 0
-        if files[-1] and size + n > limit and not shared:  # (gpt-oss's gate and up: one HF tensor, one file)
+        # (gpt-oss's gate and up, adjacent in this order, make one HF tensor: one file)
+        shared = bool(files[-1]) and bool(set(hf_names(files[-1][-1], args)) & set(hf_names(f, args)))
+        if files[-1] and size + n > limit and not shared:
             files.append([])
             size = 0
         files[-1].append(f)

@@ -145,7 +145,7 @@ def tensor_to_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
     """One tensor in transformers' layout (RoPE rows within each head permuted, see the docstring;
     DeepSeek-V3's rope_interleave layout is torchmeg's own)."""
     if _is_gpt_oss(args):
-        return hf_gpt_oss.to_hf_state_dict({fqn: t}, args)[hf_gpt_oss.hf_name(fqn)]
+        return hf_gpt_oss.to_hf(fqn, t, args)
     if _is_deepseek(args):
         return t
     if fqn.endswith("attention.wq.weight"):
@@ -201,10 +201,15 @@ def to_hf_state_dict(sd: dict, args) -> dict:
 
 def from_hf_state_dict(sd: dict, args, tie: bool = True) -> dict:
     """transformers tensors -> torchmeg's; a grouped expert tensor needs all E of its sources in `sd`."""
+    out = hf_gpt_oss.from_hf_state_dict(sd, args) if _is_gpt_oss(args) else _from_tables(sd, args)
+    if tie and args.tie_embeddings and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out
+
+
+def _from_tables(sd: dict, args) -> dict:
+    """from_hf_state_dict for the families mapped by _NAMES / _DEEPSEEK (grouped experts stacked)."""
     out, experts = {}, {}
-    if _is_gpt_oss(args):
-        out = {f: hf_gpt_oss.from_hf(f, t, args) for name, t in sd.items() for f in hf_gpt_oss.torchmeg_fqns(name)}
-        sd = {}
     for name, t in sd.items():
         if "rotary_emb" in name:
             continue
@@ -217,7 +222,4 @@ def from_hf_state_dict(sd: dict, args, tie: bool = True) -> dict:
             out[fqn] = tensor_from_hf(fqn, t, args)
     for fqn, parts in experts.items():
         out[fqn] = torch.stack([parts[h].t() for h in hf_names(fqn, args)]).contiguous()
-
-    if tie and args.tie_embeddings and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]
     return out

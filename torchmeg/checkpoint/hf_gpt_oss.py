@@ -78,6 +78,19 @@ def from_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
     return t
 
 
+def from_hf_state_dict(sd: dict, args) -> dict:
+    """transformers tensors -> torchmeg's (gate_up_proj split into w1 and w3)."""
+    return {f: from_hf(f, t, args) for name, t in sd.items() for f in torchmeg_fqns(name)}
+
+
+def to_hf(fqn: str, t: torch.Tensor, args) -> torch.Tensor:
+    """One torchmeg tensor in transformers' layout, but an expert's gate or up (to_hf_state_dict
+    interleaves those two into one)."""
+    if re.search(r"attention\.w[qk]\.", fqn):
+        return _rows(t, args.n_heads if ".wq." in fqn else args.kv_heads, to_hf=True)
+    return t
+
+
 def to_hf_state_dict(sd: dict, args) -> dict:
     """torchmeg tensors -> transformers' (gate and up interleaved back into one tensor)."""
     out = {}
@@ -88,11 +101,8 @@ def to_hf_state_dict(sd: dict, args) -> dict:
         if last in ("w3", "b3") and ".experts." in fqn:
             continue
         if last in ("w1", "b1") and ".experts." in fqn:
-            up = sd[fqn[:-2] + last[0] + "3"]
-            t = torch.stack([t, up], -1).flatten(-2)
-        elif re.search(r"attention\.w[qk]\.", fqn):
-            t = _rows(t, args.n_heads if ".wq." in fqn else args.kv_heads, to_hf=True)
-        out[hf_name(fqn)] = t.contiguous()
+            t = torch.stack([t, sd[fqn[:-2] + last[0] + "3"]], -1).flatten(-2)
+        out[hf_name(fqn)] = to_hf(fqn, t, args).contiguous()
     return out
 
 

@@ -69,7 +69,6 @@ def _with_sink(q_BHLD, k_BKSD, v_BKSD, sinks_H):
     B, H, L, D = q_BHLD.shape
     rep = H // k_BKSD.shape[1]
     k, v = (t.repeat_interleave(rep, dim=1) if rep > 1 else t for t in (k_BKSD, v_BKSD))
-    S = k.shape[2]
     q = torch.cat([q_BHLD, q_BHLD.new_ones(B, H, L, 1), q_BHLD.new_zeros(B, H, L, PAD - 1)], -1)
     sink = (sinks_H.to(q.dtype) * D ** 0.5).view(1, H, 1, 1).expand(B, H, 1, 1)
     sink_key = torch.cat([q.new_zeros(B, H, 1, D), sink, q.new_zeros(B, H, 1, PAD - 1)], -1)
@@ -102,8 +101,8 @@ def _windowed(q, k, v, scale, W: int) -> torch.Tensor:
     n = -(-L // W)
     pad = n * W - L
     q = F.pad(q, (0, 0, 0, pad)).view(B, H, n, W, E)
-    kv = [F.pad(t[:, :, 1:], (0, 0, W, pad)) for t in (k, v)]  # W zero keys before, the tail padded
-    kv = [torch.cat([t[:, :, c * W:(c + 2) * W] for c in range(n)], 2).view(B, H, n, 2 * W, E) for t in kv]
+    # W zero keys before, the tail padded; block c's keys: the window of 2W starting at c W
+    kv = [F.pad(t[:, :, 1:], (0, 0, W, pad)).unfold(2, 2 * W, W).transpose(-1, -2) for t in (k, v)]
     k_, v_ = (torch.cat([s[:, :, None].expand(B, H, n, 1, E), t], 3) for s, t in zip((k[:, :, :1], v[:, :, :1]), kv))
     r = torch.arange(W, device=q.device)[:, None]
     j = torch.arange(2 * W, device=q.device)[None, :]

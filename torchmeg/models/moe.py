@@ -188,7 +188,6 @@ class GroupedExperts(nn.Module):
 
     bias_names = ("b1", "b2", "b3")  # per-expert biases, 2-D: biases to the optimizer, not matrices
 
-
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         return self.dispatch(self, x_TD, counts_E)
 

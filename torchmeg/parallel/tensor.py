@@ -63,6 +63,11 @@ def _takes_kwargs(module: nn.Module) -> bool:
     return any(p.kind == p.VAR_KEYWORD for p in inspect.signature(module.forward).parameters.values())
 
 
+def _local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor as a plain tensor (a replicated one: its whole value)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class _GatherFirstInput(ParallelStyle):
     """sp_input for modules that may receive their input by keyword (Hugging Face decoder layers call
     `self.self_attn(hidden_states=...)`), which PrepareModuleInput's positional layouts cannot see:
@@ -98,10 +103,8 @@ class _ReplicateGradAllReduce(ParallelStyle):
             return tuple(DTensor.from_local(x, mesh, (Shard(0),), run_check=False)
                          if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
-        def output_fn(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
-
-        return distribute_module(module, device_mesh, input_fn=input_fn, output_fn=output_fn)
+        return distribute_module(module, device_mesh, input_fn=input_fn,
+                                 output_fn=lambda mod, out, mesh: _local_part(out))
 
 
 class _ExpertsOverTP(ParallelStyle):
@@ -127,10 +130,8 @@ class _ShardHeads(ParallelStyle):
             for key, p in list(mod.named_parameters(recurse=False)):
                 mod.register_parameter(key, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)]), p.requires_grad))
 
-        def output_fn(mod, out, mesh):
-            return out.to_local() if isinstance(out, DTensor) else out
-
-        return distribute_module(module, device_mesh, partition_fn=partition, output_fn=output_fn)
+        return distribute_module(module, device_mesh, partition_fn=partition,
+                                 output_fn=lambda mod, out, mesh: _local_part(out))
 
 
 class _SumGradOverTP(ParallelStyle):
@@ -151,11 +152,6 @@ def _float8_styles():
     from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
                                                        PrepareFloat8ModuleInput)
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
-
-
-def _local_part(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor as a plain tensor (a replicated one: its whole value)."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float8_tp: bool = False):

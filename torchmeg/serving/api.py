@@ -225,7 +225,7 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
                    for i, (t, r, j) in enumerate(zip(texts, reasons, jobs))]
         return {"id": rid, "object": "chat.completion", "created": created, "model": s.model_id, "choices": choices,
                 "usage": usage}
-    choices = [{"index": i, "text": t, "logprobs": _completion_logprobs(s, j, echo=bool(prefix[i]) or body.echo),
+    choices = [{"index": i, "text": t, "logprobs": _completion_logprobs(s, j, echo=True),
                 "finish_reason": r} for i, (t, r, j) in enumerate(zip(texts, reasons, jobs))]
     return {"id": rid, "object": "text_completion", "created": created, "model": s.model_id, "choices": choices,
             "usage": usage}
@@ -285,8 +285,8 @@ def _piece(s: Served, token: int) -> str:
 
 
 def _completion_logprobs(s: Served, job: Job, echo: bool, ids=None, scores=None) -> dict | None:
-    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset (the echoed
-    prompt's first, its first token without a log-prob)."""
+    """/v1/completions' logprobs object: tokens, token_logprobs, top_logprobs, text_offset; with `echo`
+    the prompt's first where the job scored it (its first token without a log-prob)."""
     if job.logprobs < 0:
         return None
     ids = job.tokens if ids is None else ids

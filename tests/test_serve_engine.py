@@ -1,0 +1,135 @@
+"""The serving engine in process (torchmeg.serving.scheduler, no HTTP): every family, sequences joining
+and leaving the continuous batch, each gets the tokens `generate` gives it alone; the KV cache is
+allocated at start; log-probs and penalties are the model's and OpenAI's. The HTTP server against
+the `openai` client: tests/test_serve.py.
+"""
+import pytest
+import torch
+
+from conftest import FP32_PARITY, assert_tensor_close
+from torchmeg.config.schema import load_config
+from torchmeg.data.tokenizer import ByteTokenizer
+from torchmeg.inference.engine import Sampling, generate
+from torchmeg.models import build_model, materialize
+from torchmeg.models.args import model_args
+from torchmeg.serving.scheduler import Engine, Job
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("gpt2", torch.float32), ("moe", torch.float32),
+                                        ("deepseek_v3", torch.float32), ("gpt_oss", torch.float32), ("llama", torch.bfloat16),
+                                        ("hf", torch.float32)])
+def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
+    """Three slots, five sequences of different prompt and output lengths, greedy and seeded: some
+    wait for a slot, one arrives while the others decode, long prompts take a step each (the
+    prefill budget). Each gets the tokens torchmeg's `generate` gives it alone; in bf16 the cache
+    and the logits are bf16 (what ran, not only what was asked). `hf` (transformers' Llama, its own
+    cache): each sequence's forwards run alone, the scheduling is the same."""
+    cfg = load_config("recipes/hf_llama_debug.toml") if name == "hf" else \
+        load_config("recipes/debug_llama.toml", [f"--model.name={name}", "--model.flavor=debug"])
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval().to(dtype)
+    prompts = [list(range(5, 12)), [40, 41, 42], [100], list(range(60, 75)), [7, 8]]
+    lengths = [10, 6, 12, 5, 9]
+    sampling = [Sampling(), Sampling(temperature=0.9, top_k=40, seed=4), Sampling(), Sampling(temperature=1.1, seed=1),
+                Sampling(top_p=0.5, temperature=0.7, seed=2)]
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=3, max_len=48, max_queue=8, prefill_tokens=8)
+    got, jobs = {}, []
+    for i, (p, n, s) in enumerate(zip(prompts, lengths, sampling)):
+        jobs.append(Job(p, n, s, on_event=lambda text, ids, reason, i=i: got.setdefault(i, []).extend(ids)))
+    for j in jobs[:4]:
+        engine.submit(j)
+    steps = 0
+    while engine.running or engine.waiting or steps < 3:
+        engine.step()
+        steps += 1
+        if steps == 2:
+            engine.submit(jobs[4])  # arrives mid-run
+    assert steps < sum(lengths) - 4 and all(j.finish_reason == "length" for j in jobs)
+    for i, (p, n, s) in enumerate(zip(prompts, lengths, sampling)):
+        alone = generate(model, [p], n, -1, s, "cpu")[0].tokens
+        assert got[i] == jobs[i].tokens and len(got[i]) == n
+        # bf16: a matmul's rounding depends on how many rows it runs (batch variance), and a
+        # random model's near-ties flip on it; what is exact there is the prefill (one sequence).
+        assert (got[i] if dtype == torch.float32 else got[i][:1]) == (alone if dtype == torch.float32 else alone[:1]), \
+            (i, got[i], alone)
+    if name == "hf":
+        assert engine.own_cache and not engine.cache.layers and len(engine.own) == 3
+    else:
+        cache = engine.cache.layers[next(iter(engine.cache.layers))]
+        assert cache.k.dtype == dtype and cache.k.shape[0] == 3
+    full = model(torch.tensor([prompts[0]]))
+    last = model(torch.tensor([prompts[0]]), last_only=True)
+    # the same numbers, the head's matmul over 1 row instead of 7 (another summation order): the
+    # format's rule, fp32 1e-5 / bf16 one rounding of the output (2^-8) relative to the logits' scale
+    assert last.shape == (1, 1, full.shape[-1])
+    assert_tensor_close(last.float(), full[:, -1:].float(), FP32_PARITY if dtype == torch.float32 else 2 ** -8, "last_only")
+
+
+def test_a_kv_cache_that_does_not_fit_fails_at_start_in_one_line():
+    """`Engine.reserve` allocates the slots at start (the server calls it before listening): a size the
+    machine cannot hold is a ConfigError naming the two flags, not an error at the first request."""
+    from torchmeg.config.errors import ConfigError
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    a = model_args(cfg, 257)
+    assert Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=1).reserve() == \
+        2 * a.n_layers * 2 * a.kv_heads * 64 * a.head_dim * 4  # k, v x layers x slots x kv heads x positions x dim x fp32
+    # 2^54 bytes a buffer: more than any machine holds, refused by the allocator before a page is touched
+    with pytest.raises(ConfigError, match=r"^--max-seqs 1024 x --max-model-len 68719476736: the KV cache does not fit"):
+        Engine(model, ByteTokenizer(), "cpu", max_seqs=1024, max_len=2 ** 36, max_queue=1).reserve()
+
+
+def test_engine_log_probs_are_the_models():
+    """A job asking for log-probs (top 3) and its prompt's (echo), among others that do not: the prompt
+    tokens' log-probs = log_softmax of one forward over the prompt, each generated token's = that of the
+    forward over everything before it (the raw logits, whatever the sampling), the top 3 sorted and led by
+    the token's own under greedy; max_tokens 0 scores the prompt and generates nothing."""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=3, max_len=64, max_queue=8)
+    prompt = list(b"def parse(text):\n    return")
+    jobs = [Job(prompt, 6, Sampling(), on_event=lambda *a: None, logprobs=3, prompt_logprobs=True),
+            Job(prompt, 6, Sampling(temperature=1.0, seed=7), on_event=lambda *a: None, logprobs=0),
+            Job(list(b"import os"), 4, Sampling(), on_event=lambda *a: None),
+            Job(prompt, 0, Sampling(), on_event=lambda *a: None, logprobs=1, prompt_logprobs=True)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    with torch.no_grad():
+        for j in jobs[:2]:
+            seq = torch.tensor([prompt + j.tokens])
+            lp = model(seq)[0].log_softmax(-1)
+            want = lp[torch.arange(seq.shape[1] - 1), seq[0, 1:]]
+            got = [v for v, _ in j.prompt_token_logprobs] + [v for v, _ in j.token_logprobs]
+            got = got if j.prompt_logprobs else want[:len(prompt) - 1].tolist() + got
+            assert_tensor_close(torch.tensor(got), want, FP32_PARITY, "log-probs")
+            assert len(j.token_logprobs) == 6 and all(len(top) == j.logprobs for _, top in j.token_logprobs)
+        for t, (v, top) in zip(jobs[0].tokens, jobs[0].token_logprobs):
+            assert top[0] == (t, v) and [x for _, x in top] == sorted((x for _, x in top), reverse=True)
+    assert jobs[3].tokens == [] and jobs[3].finish_reason == "length"
+    assert [v for v, _ in jobs[3].prompt_token_logprobs] == [v for v, _ in jobs[0].prompt_token_logprobs]
+    assert jobs[2].token_logprobs == [] and jobs[2].tokens
+
+
+def test_engine_penalties_are_openais():
+    """presence / frequency penalties (OpenAI's rule: logit - frequency x count - presence x (count > 0),
+    over the tokens generated so far): greedy tokens = a decode loop applying the rule by hand, and
+    different from the unpenalised ones; a job without penalties in the same steps is unaffected."""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
+    prompt = list(b"aaaa")
+    jobs = [Job(prompt, 12, Sampling(), on_event=lambda *a: None, presence=0.5, frequency=1.5),
+            Job(prompt, 12, Sampling(), on_event=lambda *a: None)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    with torch.no_grad():
+        seq = list(prompt)
+        for _ in range(12):
+            logits = model(torch.tensor([seq]))[0, -1].float()
+            counts = torch.bincount(torch.tensor(seq[len(prompt):], dtype=torch.long), minlength=logits.shape[0])
+            seq.append(int((logits - 1.5 * counts - 0.5 * (counts > 0).float()).argmax()))
+    assert jobs[0].tokens == seq[len(prompt):] and jobs[0].tokens != jobs[1].tokens
+    assert jobs[1].tokens == generate(model, [prompt], 12, -1, Sampling(), "cpu")[0].tokens
