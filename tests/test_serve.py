@@ -235,7 +235,7 @@ def test_abandoned_request_freed_unseeded_sampling_random_and_bodies_in_the_api_
         quick.completions.create(model="debug", prompt="def f(x):", max_tokens=1900, temperature=0,
                                  extra_body={"ignore_eos": True})
     left = time.time()
-    while server.metrics()["torchmeg_running"]:
+    while server.metrics()["torchmeg_num_requests_running"]:
         assert time.time() - left < 1.0, "the abandoned request still holds its slot"
         time.sleep(0.02)
     assert server.metrics()["torchmeg_generation_tokens_total"] - before < 1900
@@ -263,7 +263,7 @@ def test_queue_limit_disconnect_and_sigterm_drain(debug_run):
         t = threading.Thread(target=lambda: queued.update(r=_complete(s.client, "import sys", 5)))
         t.start()
         deadline = time.time() + 30
-        while s.metrics()["torchmeg_waiting"] != 1:
+        while s.metrics()["torchmeg_num_requests_waiting"] != 1:
             assert time.time() < deadline, "the second request never queued"
             time.sleep(0.05)
         with pytest.raises(openai.RateLimitError):

@@ -14,6 +14,7 @@ from torch import nn
 
 from torchmeg.models.attention import DocumentBatch, document_positions
 from torchmeg.models.init import Constant, Normal
+from torchmeg.models.kv_cache import head_positions
 from torchmeg.models.llama import DECODER_TP, causal_attention
 
 
@@ -112,7 +113,7 @@ class GPT2(nn.Module):
         return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                documents: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                documents: torch.Tensor | None = None, last_only: bool | torch.Tensor = False) -> torch.Tensor:
         """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache),
         and `last_only` at prefill (logits [B, 1, V]);
         document masking passes `documents` [B, L] (models.attention): positions restart per document."""
@@ -130,7 +131,7 @@ class GPT2(nn.Module):
                 h = layer(h, cache=cache.layer(name))
             else:
                 h = layer(h) if documents is None else layer(h, documents=documents)
-        h = h[:, -1:] if last_only else h
+        h = head_positions(h, last_only)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and not self.head_in_loss else h
 

@@ -21,6 +21,14 @@ import torch
 import torch.nn.functional as F
 
 
+def head_positions(h_BLE: torch.Tensor, last_only) -> torch.Tensor:
+    """The positions the head runs on: every one (False), the last (True: a prefill), or those a
+    LongTensor [n] names (a packed prefill of several prompts: each one's last token)."""
+    if isinstance(last_only, torch.Tensor):
+        return h_BLE[:, last_only]
+    return h_BLE[:, -1:] if last_only else h_BLE
+
+
 class KVCache:
     def __init__(self, batch: int, max_len: int, pad: torch.Tensor | None = None, static: bool = False,
                  device=None):

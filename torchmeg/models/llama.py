@@ -17,6 +17,7 @@ from torch import nn
 
 from torchmeg.models.attention import DocumentBatch, document_attention, document_positions, repeat_kv
 from torchmeg.models.init import Constant, Normal
+from torchmeg.models.kv_cache import head_positions
 from torchmeg.models.rope import ROPE_TYPES, apply_rope, rope_tables
 
 
@@ -192,14 +193,15 @@ class Llama(nn.Module):
         return Normal(a.init_std)
 
     def forward(self, tokens_BL: torch.Tensor, positions: torch.Tensor | None = None, cache=None,
-                documents: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+                documents: torch.Tensor | None = None, last_only: bool | torch.Tensor = False) -> torch.Tensor:
         """Logits [B, L, V]. Generation passes `positions` [B, L] and a KVCache (models.kv_cache),
-        and `last_only` at prefill (logits [B, 1, V]: the head runs on the last position only);
+        and `last_only` at prefill (logits [B, 1, V]: the head runs on the last position only; or a
+        LongTensor of positions: a packed prefill's prompt ends, models.kv_cache.head_positions);
         document masking passes `documents` [B, L] (models.attention), positions restarting at each
         document unless given (context parallel gives its shard's)."""
         h = self.tok_embeddings(tokens_BL) if self.tok_embeddings is not None else tokens_BL
         h = self.run_layers(h, self.rope_inputs(positions, documents), cache)
-        h = h[:, -1:] if last_only else h
+        h = head_positions(h, last_only)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and not self.head_in_loss else h
 

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from torchmeg.inference.engine import Sampling
 from torchmeg.serving.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from torchmeg.serving.scheduler import Engine, Job, QueueFull
+from torchmeg.serving.engine import Engine
+from torchmeg.serving.scheduler import Job, QueueFull
 
 _DISCONNECT_POLL_S = 0.5   # with no token for this long, ask whether the client is still there
 _DISCONNECT_EVERY_S = 0.1  # and at least this often while tokens come
@@ -79,12 +80,8 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        lines = []
-        for k, v in s.engine.load().items():
-            kind = "gauge" if k in ("running", "waiting", "max_seqs") else "counter"
-            name = f"torchmeg_{k}" + ("_total" if kind == "counter" else "")
-            lines += [f"# TYPE {name} {kind}", f"{name} {v}"]
-        return PlainTextResponse("\n".join(lines) + "\n")
+        s.engine.load()  # (the gauges, read now)
+        return Response(s.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):

@@ -33,7 +33,8 @@ from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
-from torchmeg.serving.scheduler import Engine, Plan, follow
+from torchmeg.serving.engine import Engine
+from torchmeg.serving.runner import follow
 from torchmeg.train.validate import validate
 
 PROG = "torchmeg.serve"
@@ -105,7 +106,7 @@ def run(prepared) -> None:
             box = [None]
             dist.broadcast_object_list(box, src=0)
             return box[0]
-        follow(engine, receive)
+        follow(engine.runner, receive)
     else:
         _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
     loaded = engine = model = None

@@ -2,20 +2,32 @@
 
 torchmeg.models.kv_cache serves one batch that starts together (left-padded, one shared length).
 A server admits and retires sequences at every step, so here each slot keeps its own length and a
-forward names the slots it runs (`bind`): a prefill writes one sequence's prompt into its slot; a
-decode step writes one token per running slot, each at its own position, and attends over the
-slots' keys up to the longest one, the rest masked. The model code is the same as for generation:
-it calls `layer(name).attend / update / append`, `owner.mask` and `owner.query_slots`.
+forward names what it runs. Two kinds of forward:
+
+- `bind(rows, starts, n)`: `n` new tokens in each of the slots `rows` (a decode step: one token per
+  running sequence, each at its own position; or the next chunk of one long prompt), attending
+  over the slots' keys up to the longest one, the rest masked. The scheduler keeps the running
+  sequences in slots 0..n-1 (a sequence that leaves is replaced by the last one: `move`, one copy
+  of one sequence's cache per departure), so a decode step reads the buffers as a view: no copy of
+  the running sequences' keys per step.
+- `bind_packed(slots, lengths)`: several prompts from their first token, packed end to end in one
+  row (one forward for all of them, positions restarting at each). Each prompt's keys are written
+  to its slot; attention stays within each prompt: `attend` runs one causal SDPA call per prompt
+  (no mask), the families that build their own attention read `owner.mask` (block-diagonal).
+
+The model code is the same as for generation: it calls `layer(name).attend / update / append`,
+`owner.mask` and `owner.query_slots` (each query's index in the keys `update` returns).
 
 Buffers are contiguous per slot, [slots, kv heads, max_len, head dim] per layer, allocated at the
 first write (so under TP each rank holds its own heads). Pages (vLLM's PagedAttention) would let
-sequences share the memory of a pool instead of each reserving max_len; they pay off when max_len
-is long and most requests are short, and need a paged attention kernel, which SDPA is not. With
-`max_len` a server flag, contiguous slots keep SDPA and the model code unchanged.
+sequences share the memory of a pool instead of each reserving max_len, and prefix caching share
+the pages of a common prompt prefix (a hash per full page of tokens, reference-counted pages, an
+eviction order); both need attention that reads keys through a page table, which SDPA does not.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from torchmeg.models.kv_cache import LayerCache
 
@@ -25,7 +37,7 @@ class SlotCache:
         self.slots, self.max_len, self.device = slots, max_len, torch.device(device)
         self.layers: dict[str, SlotLayer] = {}
         self.model_state: dict = {}
-        self._rows: list[int] = []
+        self.spans: list[tuple[int, int]] | None = None  # packed: each prompt's [start, end) in the row
 
     def layer(self, name: str) -> "SlotLayer":
         if name not in self.layers:
@@ -37,14 +49,14 @@ class SlotCache:
         starts[i] tokens already. -> their positions [len(rows), n]."""
         if max(starts) + n > self.max_len:
             raise ValueError(f"slot cache of {self.max_len} positions is full ({max(starts) + n} needed)")
-        self._rows, self.n = list(rows), n
+        self.spans, self.n = None, n
         self.read_len = max(starts) + n
         first = rows[0]
-        # Slots that sit side by side are read as a view; others gathered (a copy of their keys).
+        # Slots side by side (the scheduler keeps them so) are read as a view; others gathered.
         self._contiguous = list(rows) == list(range(first, first + len(rows)))
         self._slice = slice(first, first + len(rows))
         dev = self.device
-        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)[:, None]
         start = torch.tensor(starts, dtype=torch.long, device=dev)
         positions = start[:, None] + torch.arange(n, device=dev)
         self.write_at = positions
@@ -53,12 +65,38 @@ class SlotCache:
         self._mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
         return positions
 
+    def bind_packed(self, slots: list[int], lengths: list[int]) -> torch.Tensor:
+        """The next forward runs prompts of `lengths` tokens, packed in one row, each from position 0
+        into its slot. -> positions [1, sum(lengths)], restarting at each prompt."""
+        if max(lengths) > self.max_len:
+            raise ValueError(f"slot cache of {self.max_len} positions is full ({max(lengths)} needed)")
+        dev, T = self.device, sum(lengths)
+        ends = torch.tensor(lengths, device=dev).cumsum(0)
+        self.spans = list(zip((ends - torch.tensor(lengths, device=dev)).tolist(), ends.tolist()))
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
+        positions = torch.arange(T, device=dev) - (ends - torch.tensor(lengths, device=dev))[doc]
+        self.rows = torch.tensor(slots, dtype=torch.long, device=dev)[doc][None]
+        self.write_at, self.n, self.read_len = positions[None], T, T
+        self._mask = None
+        self._doc = doc
+        return positions[None]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Slot `src`'s first `length` positions to slot `dst` (the scheduler's compaction)."""
+        for layer in self.layers.values():
+            for buf in (layer.k, layer.v):
+                if buf is not None:
+                    buf[dst, :, :length] = buf[src, :, :length]
+
     def query_slots(self, n: int) -> torch.Tensor:
-        """[slots bound, n] each new token's position in its slot (kv_cache.KVCache.query_slots)."""
-        return self.write_at
+        """[rows, n] each new token's index in the keys `update` returns (kv_cache.KVCache.query_slots)."""
+        return torch.arange(self.n, device=self.device)[None] if self.spans is not None else self.write_at
 
     def mask(self, n: int, keys: int) -> torch.Tensor:
         assert n == self.n and keys == self.read_len, (n, keys, self.n, self.read_len)
+        if self._mask is None:  # packed: each prompt's tokens see their own prompt's, causally
+            i = torch.arange(self.n, device=self.device)
+            self._mask = ((self._doc[:, None] == self._doc[None, :]) & (i[None, :] <= i[:, None]))[None, None]
         return self._mask
 
 
@@ -73,8 +111,19 @@ class SlotLayer(LayerCache):
             _, K, _, D = x_BKLD.shape
             buf = x_BKLD.new_zeros(c.slots, K, c.max_len, D)
             setattr(self, name, buf)
-        # buf[rows[b], :, write_at[b, i]] = x[b, :, i]  (advanced indices first: [B, n, K, D])
-        buf[c.rows[:, None], :, c.write_at] = x_BKLD.transpose(1, 2).to(buf.dtype)
+        # buf[rows[b, i], :, write_at[b, i]] = x[b, :, i]  (advanced indices first: [B, n, K, D])
+        buf[c.rows, :, c.write_at] = x_BKLD.transpose(1, 2).to(buf.dtype)
+        if c.spans is not None:  # packed prompts read only their own new keys
+            return x_BKLD.to(buf.dtype)
         if c._contiguous:
             return buf[c._slice, :, :c.read_len]
-        return buf[c.rows, :, :c.read_len]
+        return buf[c.rows[:, 0], :, :c.read_len]
+
+    def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
+        c = self.owner
+        if c.spans is None:
+            return super().attend(q_BHLD, k_BKLD, v_BKLD)
+        k, v = self.update(k_BKLD, v_BKLD)
+        gqa = q_BHLD.shape[1] != k.shape[1]
+        return torch.cat([F.scaled_dot_product_attention(q_BHLD[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                                         enable_gqa=gqa) for a, b in c.spans], dim=2)

@@ -1,0 +1,131 @@
+"""The serving engine: continuous batching, sequences join the running batch at any step and leave
+it when done. One direction of calls, one module each:
+
+    API (serving.api) -> Engine.submit / cancel            (the server's threads, under `cond`)
+    Engine.step: Scheduler.schedule -> Plan               (serving.scheduler; under `cond`)
+                 ModelRunner.forward(plan) -> logits      (serving.runner, serving.slots)
+                 sample_rows / logprobs                   (serving.sampler)
+                 OutputProcessor.advance per sequence     (serving.output; outside `cond`)
+
+A request's tokens are a function of (its prompt, its sampling, its seed) only: the same random
+streams as torchmeg.inference.engine, so it gets the tokens `torchmeg.generate` gives it alone, at
+any concurrency. Under tensor parallel rank 0 decides each step and broadcasts the plan
+(`channel`); the other ranks run the same forwards (serving.runner.follow) and sample nothing.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from torchmeg.serving.metrics import Metrics
+from torchmeg.serving.output import OutputProcessor
+from torchmeg.serving.runner import ModelRunner
+from torchmeg.serving.sampler import prompt_logprobs, sample_rows, token_logprobs
+from torchmeg.serving.scheduler import Job, Plan, Scheduler
+
+log = logging.getLogger("torchmeg.serve")
+
+
+class Engine:
+    def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
+                 prefill_tokens: int = 4096, channel=None):
+        self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
+        self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
+        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens)
+        self.metrics = Metrics()
+        self.output = OutputProcessor(tokenizer, self.metrics)
+        self.channel = channel  # TP: sends each Plan to the other ranks
+        self.cond = threading.Condition()
+
+    # the parts' state, read by tests and the API
+    running = property(lambda self: self.scheduler.running)
+    waiting = property(lambda self: self.scheduler.waiting)
+    cache = property(lambda self: self.runner.cache)
+    own_cache = property(lambda self: self.runner.own_cache)
+    own = property(lambda self: self.runner.own)
+
+    # ---- called from the server's threads ----------------------------------------------------
+    def submit(self, job: Job) -> None:
+        job.arrived = time.monotonic()
+        with self.cond:
+            try:
+                self.scheduler.add(job)
+            except Exception:
+                self.metrics.rejected.inc()
+                raise
+            self.metrics.requests.inc()
+            self.cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        with self.cond:
+            job.cancelled = True
+            self.cond.notify()
+
+    def load(self) -> dict:
+        with self.cond:
+            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+            used = sum(j.cached for j in self.scheduler.running.values())
+        self.metrics.running.set(running)
+        self.metrics.waiting.set(waiting)
+        self.metrics.cache_usage.set(used / (self.max_seqs * self.max_len))
+        return dict(running=running, waiting=waiting, max_seqs=self.max_seqs)
+
+    def reserve(self) -> int:
+        return self.runner.reserve()
+
+    # ---- the engine's thread -----------------------------------------------------------------
+    def serve(self, stopping: threading.Event, heartbeat_s: float = 5.0) -> None:
+        """Step while there is work; after `stopping` is set, finish what was admitted, then stop
+        (and tell the other ranks). Idle under TP: a heartbeat keeps their collectives in time."""
+        while True:
+            with self.cond:
+                if not self.scheduler.busy():
+                    if stopping.is_set():
+                        break
+                    self.cond.wait(timeout=heartbeat_s)
+                    if not self.scheduler.busy():
+                        if self.channel is not None and not stopping.is_set():
+                            self.channel(Plan())
+                        continue
+            self.step()
+        if self.channel is not None:
+            self.channel(Plan(stop=True))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        with self.cond:
+            plan, chunks, decoding = self.scheduler.schedule()
+        if not (plan.prefill or plan.rows or plan.moves):
+            return
+        # a chunk that completes its prompt gives its sequence's first token
+        done = [i for i, j in enumerate(chunks) if j.prefilled == len(j.prompt)]
+        jobs = [chunks[i] for i in done] + decoding
+        try:
+            if self.channel is not None:
+                self.channel(plan)
+            logits = self.runner.forward(plan)
+            rows = logits[torch.tensor(done + list(range(len(chunks), logits.shape[0])), dtype=torch.long)]
+            new = sample_rows(rows, jobs) if jobs else []
+            scores = token_logprobs(rows, jobs, new) if jobs else []
+            for (slot, start, _), job in zip(plan.prefill, chunks):
+                if slot in self.runner.full:
+                    job.prompt_token_logprobs += prompt_logprobs(self.runner.full[slot], job, start)
+        except Exception as e:  # noqa: BLE001 - the requests of this step learn why; the server goes on
+            log.exception("step failed")
+            for job in chunks + decoding:
+                self.output.finish(job, f"error: {type(e).__name__}: {e}")
+            if self.channel is not None:
+                raise  # the other ranks' caches no longer match: end the job
+            return
+        self.metrics.steps.inc()
+        self.metrics.prompt_tokens.inc(sum(len(c[2]) for c in plan.prefill))
+        for job, t, score in zip(jobs, new, scores):
+            if job.cancelled:
+                continue
+            if job.max_tokens == 0:  # (echo with max_tokens 0: the prompt scored, nothing generated)
+                self.output.finish(job, "length")
+            else:
+                self.output.advance(job, t, score)

@@ -1,0 +1,132 @@
+"""The model runner: runs a step's plan (serving.scheduler.Plan) on the model and its KV cache.
+
+Prompts that start this step run packed in one forward (serving.slots.bind_packed: one row, each
+prompt attending to itself), the head on each prompt's last token only; the next chunk of a long
+prompt, or a prompt whose every position is scored (echo), runs alone over its slot; then every
+decoding sequence runs one token in one forward. Every tensor-parallel rank runs the same plan
+(`follow`), so their caches stay the same.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.models.kv_cache import KVCache
+from torchmeg.serving.scheduler import Plan
+from torchmeg.serving.slots import SlotCache
+
+
+class ModelRunner:
+    def __init__(self, model, device, max_seqs: int, max_len: int, eos_id: int = 0):
+        self.model, self.device, self.max_len = model, torch.device(device), max_len
+        self.max_seqs, self.filler = max_seqs, max(eos_id, 0)
+        self.cache = SlotCache(max_seqs, max_len, device)
+        params = inspect.signature(model.forward).parameters
+        self.last_only = "last_only" in params  # the head on chosen positions only (torchmeg's families)
+        self.own_cache = bool(getattr(model, "keeps_own_cache", False))
+        self.own: dict[int, KVCache] = {}  # slot -> its sequence's cache, when the model keeps its own
+        self.full: dict[int, torch.Tensor] = {}  # slot -> its chunk's logits at every position [n, V]
+
+    def forward(self, plan: Plan) -> torch.Tensor:
+        """Run a plan's forwards -> logits [chunks + decodes, V], float: each prefill chunk's last
+        position, then each decode row (every rank runs this)."""
+        self.full = {}
+        for src, dst, length in plan.moves:
+            if self.own_cache:
+                self.own[dst] = self.own.pop(src)
+            else:
+                self.cache.move(src, dst, length)
+        if self.own_cache:
+            return self._forward_each(plan)
+        out: list[torch.Tensor | None] = [None] * len(plan.prefill)
+        packed = [i for i, (slot, start, _) in enumerate(plan.prefill)
+                  if start == 0 and slot not in plan.full and self.last_only]
+        if packed:
+            chunks = [plan.prefill[i] for i in packed]
+            positions = self.cache.bind_packed([c[0] for c in chunks], [len(c[2]) for c in chunks])
+            tokens = torch.tensor([[t for c in chunks for t in c[2]]], dtype=torch.long, device=self.device)
+            ends = torch.tensor([len(c[2]) for c in chunks], device=self.device).cumsum(0) - 1
+            logits = self.model(tokens, positions=positions, cache=self.cache, last_only=ends)[0]
+            for i, row in zip(packed, logits):
+                out[i] = row
+        for i, (slot, start, chunk) in enumerate(plan.prefill):
+            if out[i] is not None:
+                continue
+            positions = self.cache.bind([slot], [start], len(chunk))
+            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            full = slot in plan.full or not self.last_only
+            logits = self.model(tokens, positions=positions, cache=self.cache, **({} if full else {"last_only": True}))
+            if slot in plan.full:
+                self.full[slot] = logits[0]
+            out[i] = logits[0, -1]
+        rows = [o[None] for o in out]
+        if plan.rows:
+            positions = self.cache.bind(plan.rows, plan.starts, 1)
+            tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
+            rows.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
+        return torch.cat(rows).float() if rows else torch.empty(0)
+
+    def _forward_each(self, plan: Plan) -> torch.Tensor:
+        """A model that keeps its own cache (transformers' attention, for `hf` models) cannot read the
+        slots: each sequence runs alone over a cache of its own (models.kv_cache with one row), the
+        same forwards torchmeg.generate runs for it. Sequences still join and leave at every step;
+        only the forwards are not batched."""
+        out = []
+        for slot, start, chunk in plan.prefill:
+            if start == 0:
+                self.own[slot] = KVCache(1, self.max_len, device=self.device)
+            cache = self.own[slot]
+            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
+            full = slot in plan.full or not self.last_only
+            logits = self.model(tokens, positions=cache.positions(len(chunk)), cache=cache,
+                                **({} if full else {"last_only": True}))
+            if slot in plan.full:
+                self.full[slot] = logits[0]
+            out.append(logits[:, -1])
+            cache.advance(len(chunk))
+        for slot, token in zip(plan.rows, plan.tokens):
+            cache = self.own[slot]
+            tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            out.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
+            cache.advance(1)
+        return torch.cat(out).float() if out else torch.empty(0)
+
+    def bytes_per_token(self) -> int:
+        """KV cache bytes one position of one slot takes (every layer, keys and values; this rank's
+        heads): measured by a one-token prefill into a cache of one position."""
+        if self.own_cache:
+            return 0
+        probe, self.cache = self.cache, SlotCache(1, 1, self.device)
+        try:
+            self.forward(Plan(prefill=[(0, 0, [self.filler])]))
+            bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
+            return sum(b.numel() * b.element_size() for b in bufs)
+        finally:
+            self.cache = probe
+
+    def reserve(self) -> int:
+        """Allocate the KV cache now (a one-token prefill into slot 0; every rank at once under TP):
+        a cache that does not fit fails at start, not at the first request. -> its bytes."""
+        try:
+            self.forward(Plan(prefill=[(0, 0, [self.filler])]))
+        except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's "can't allocate"
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            raise ConfigError(f"--max-seqs {self.max_seqs} x --max-model-len {self.max_len}: the KV cache does not fit "
+                              f"({str(e).splitlines()[0]}); lower either") from None
+        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
+
+
+def follow(runner: ModelRunner, receive: Callable[[], Plan]) -> None:
+    """A TP rank other than 0: run the forwards rank 0 plans until it says stop."""
+    with torch.no_grad():
+        while True:
+            plan = receive()
+            if plan.stop:
+                return
+            if plan.prefill or plan.rows or plan.moves:
+                runner.forward(plan)

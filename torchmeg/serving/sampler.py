@@ -1,0 +1,68 @@
+"""A step's sampling: every row by its own request's parameters (penalties first), rows that share
+them in one call, and the log-probabilities the requests asked for. The random streams are
+torchmeg.inference.engine's (prompt tokens, sample index, step), so a request's tokens are those
+`torchmeg.generate` gives it alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from torchmeg.inference.engine import Sampling, sample
+from torchmeg.serving.scheduler import Job
+
+
+def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
+    """The next token of each row [N, V] for jobs[i]. One host read."""
+    nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
+    penalized = [i for i, j in enumerate(jobs) if (j.presence or j.frequency) and j.tokens]
+    if penalized:  # OpenAI's: logit -= frequency * count + presence * (count > 0), over the tokens generated
+        logits = logits.clone()
+        for i in penalized:
+            j, ids = jobs[i], torch.tensor(jobs[i].tokens, device=logits.device)
+            counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(j.tokens), device=logits.device))
+            logits[i] -= j.frequency * counts + j.presence * (counts > 0).float()
+    groups: dict[Sampling, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(job.sampling, []).append(i)
+    for s, idx in groups.items():
+        rows = torch.tensor(idx, device=logits.device)
+        streams = torch.tensor([jobs[i].stream for i in idx], dtype=torch.long)
+        steps = torch.tensor([len(jobs[i].tokens) for i in idx], dtype=torch.long)
+        nxt[rows] = sample(logits[rows], s, streams, steps)
+    return nxt.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:
+    """Per row, (the sampled token's log-probability, the top k (token, log-probability) pairs) for
+    the jobs that asked (None for the others): the raw logits' log-softmax, one host read."""
+    want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
+    out = [None] * len(jobs)
+    if want:
+        rows = torch.tensor(want, device=logits.device)
+        chosen = torch.tensor([new[i] for i in want], device=logits.device)
+        for i, entry in zip(want, scores(logits[rows], chosen, max(jobs[i].logprobs for i in want))):
+            out[i] = (entry[0], entry[1][:jobs[i].logprobs])
+    return out
+
+
+def prompt_logprobs(logits_nV: torch.Tensor, job: Job, start: int) -> list:
+    """A prompt chunk's logits (positions start.. of the prompt): each following prompt token's
+    log-probability given those before it (the chunk's last position predicts a prompt token only
+    while the prompt goes on)."""
+    target = job.prompt[start + 1:start + 1 + logits_nV.shape[0]]
+    if not target:
+        return []
+    chosen = torch.tensor(target, device=logits_nV.device)
+    return [(lp, top[:job.logprobs]) for lp, top in scores(logits_nV[:len(target)].float(), chosen, job.logprobs)]
+
+
+def scores(logits_NV: torch.Tensor, chosen_N: torch.Tensor, k: int) -> list:
+    """[(log p(chosen), [(token, log p)] of the k most likely, best first)] per row."""
+    lp = logits_NV.float().log_softmax(-1)
+    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+    picked = lp.gather(-1, chosen_N[:, None])[:, 0].tolist()
+    if top is None:
+        return [(p, []) for p in picked]
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return [(p, list(zip(i, v))) for p, i, v in zip(picked, ids, values)]
