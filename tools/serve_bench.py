@@ -1,14 +1,18 @@
-"""Serving throughput and latency: the same requests sent one by one, then by N concurrent clients.
+"""Serving throughput and latency, reported as `vllm bench serve` reports them.
 
-    python tools/serve_bench.py --config recipes/debug_llama.toml [--concurrency 1,8,32] [--requests 64]
-        [--max-tokens 64] [--max-seqs 32] [--url http://HOST:PORT] [--json FILE] [--section.key=value ...]
+    python tools/serve_bench.py --config recipes/debug_llama.toml [--sets mix,fixed] [--concurrency 1,8,32,64]
+        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT] [--json FILE]
+        [--section.key=value ...]
 
 Starts `python -m torchmeg.serve` on the recipe's newest checkpoint (or uses the server at --url),
-then for each concurrency sends the same requests (prompts cut from the standard library's source,
-12 to 140 tokens, greedy, `ignore_eos` so each generates --max-tokens) through that many client
-threads, streamed, and reports output tokens/s, its ratio to concurrency 1 (one by one), request
-latency percentiles and time to first token. One run, side by side: the ratios are the result;
-the absolute numbers are this machine's.
+then for each prompt set and concurrency sends the same requests through that many client threads,
+streamed, greedy, `ignore_eos` (each generates --max-tokens). Prompt sets, real text (the standard
+library's argparse.py, tokenized by the server's /tokenize) sent as token ids of exact lengths:
+`mix`, lengths spread evenly over 10..1,000 tokens; `fixed`, 12..139 tokens. Per row: request
+throughput, output tokens/s and its ratio to concurrency 1 (one by one), time to first token
+(TTFT), time per output token after the first (TPOT), inter-token latency (ITL, every gap between
+streamed tokens), mean / median / p99. One run, side by side: the ratios are the result; the
+absolute numbers are this machine's.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -26,15 +31,15 @@ from urllib.parse import urlparse
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def request(host: str, port: int, body: dict) -> tuple[float, float, int]:
-    """One streamed completion -> (seconds to the first token, seconds in all, tokens generated)."""
+def request(host: str, port: int, body: dict) -> dict:
+    """One streamed completion -> its TTFT, end-to-end latency, token times and count."""
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection(host, port, timeout=600)
+    c = http.client.HTTPConnection(host, port, timeout=900)
     c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     r = c.getresponse()
     if r.status != 200:
         raise SystemExit(f"serve_bench: the server answered {r.status}: {r.read()[:300]!r}")
-    first, tokens = None, 0
+    stamps, tokens = [], 0
     for line in r:
         line = line.strip()
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -42,20 +47,31 @@ def request(host: str, port: int, body: dict) -> tuple[float, float, int]:
         chunk = json.loads(line[6:])
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
-        elif first is None:
-            first = time.perf_counter() - t0
+        elif chunk["choices"] and chunk["choices"][0].get("text"):
+            stamps.append(time.perf_counter() - t0)
     c.close()
-    return first or 0.0, time.perf_counter() - t0, tokens
+    end = time.perf_counter() - t0
+    ttft = stamps[0] if stamps else end
+    return dict(ttft=ttft, e2e=end, tokens=tokens, itl=[b - a for a, b in zip(stamps, stamps[1:])],
+                tpot=(end - ttft) / (tokens - 1) if tokens > 1 else 0.0)
 
 
-def prompts(n: int) -> list[str]:
-    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
-    return [text[(997 * i) % (len(text) - 200):][:12 + (37 * i) % 128] for i in range(n)]
+def prompt_sets(ids: list[int], n: int, names: list[str]) -> dict[str, list[list[int]]]:
+    """Token-id prompts cut from real text: `mix` 10..1,000 tokens (evenly spread, shuffled by the
+    golden ratio), `fixed` 12..139."""
+    lengths = {"mix": [10 + round(990 * ((i * 0.6180339887) % 1)) for i in range(n)],
+               "fixed": [12 + (37 * i) % 128 for i in range(n)]}
+    out = {}
+    for name in names:
+        if name not in lengths:
+            raise SystemExit(f"serve_bench: --sets {name!r}: the sets are mix, fixed")
+        out[name] = [ids[(997 * i) % (len(ids) - L):][:L] for i, L in enumerate(lengths[name])]
+    return out
 
 
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
 
 
 def start_server(args, rest) -> tuple[subprocess.Popen, str]:
@@ -80,48 +96,62 @@ def start_server(args, rest) -> tuple[subprocess.Popen, str]:
     raise SystemExit("serve_bench: the server did not start in 120 s")
 
 
+def run(host, port, bodies: list[dict], concurrency: int) -> dict:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        got = list(pool.map(lambda b: request(host, port, b), bodies))
+    wall = time.perf_counter() - t0
+    tokens = sum(g["tokens"] for g in got)
+    row = dict(concurrency=concurrency, requests=len(bodies), output_tokens=tokens, seconds=round(wall, 3),
+               request_throughput=round(len(bodies) / wall, 3), output_tokens_per_sec=round(tokens / wall, 1))
+    for key, xs in (("ttft", [g["ttft"] for g in got]), ("tpot", [g["tpot"] for g in got if g["tokens"] > 1]),
+                    ("itl", [x for g in got for x in g["itl"]]), ("e2e", [g["e2e"] for g in got])):
+        row[f"{key}_mean_ms"] = round(1000 * statistics.fmean(xs), 2) if xs else 0.0
+        row[f"{key}_median_ms"] = round(1000 * statistics.median(xs), 2) if xs else 0.0
+        row[f"{key}_p99_ms"] = round(1000 * pct(xs, 99), 2)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="recipes/debug_llama.toml")
     ap.add_argument("--url", default="", help="a running server (default: start one on the recipe)")
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--sets", default="mix,fixed")
+    ap.add_argument("--concurrency", default="1,8,32,64")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--json", default="")
     args, rest = ap.parse_known_args()
-    proc = None
-    url = args.url or None
-    if url is None:
-        proc, url = start_server(args, rest)
+    proc, url = (None, args.url) if args.url else start_server(args, rest)
     u = urlparse(url)
     try:
-        model = json.loads(_get(u.hostname, u.port, "/v1/models"))["data"][0]["id"]
-        bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True, stream=True,
-                       stream_options={"include_usage": True}) for p in prompts(args.requests)]
-        request(u.hostname, u.port, bodies[0])  # warm up
+        model = json.loads(_call(u.hostname, u.port, "GET", "/v1/models"))["data"][0]["id"]
+        text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+        ids = json.loads(_call(u.hostname, u.port, "POST", "/tokenize", {"model": model, "prompt": text}))["tokens"]
+        sets = prompt_sets(ids, args.requests, args.sets.split(","))
         rows = []
-        for c in [int(x) for x in args.concurrency.split(",")]:
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                got = list(pool.map(lambda b: request(u.hostname, u.port, b), bodies))
-            wall = time.perf_counter() - t0
-            tokens = sum(g[2] for g in got)
-            rows.append(dict(concurrency=c, requests=len(bodies), output_tokens=tokens, seconds=round(wall, 3),
-                             tokens_per_sec=round(tokens / wall, 1),
-                             latency_p50=round(pct([g[1] for g in got], 50), 3),
-                             latency_p90=round(pct([g[1] for g in got], 90), 3),
-                             latency_p99=round(pct([g[1] for g in got], 99), 3),
-                             ttft_p50=round(pct([g[0] for g in got], 50), 3)))
-        base = rows[0]["tokens_per_sec"]
-        print(f"serve_bench: {model} at {url}, {args.requests} requests x {args.max_tokens} tokens, prompts 12-139 "
-              f"tokens, greedy; concurrency {rows[0]['concurrency']} is the baseline")
-        print("| concurrency | output tokens/s | vs one by one | latency p50 / p90 / p99 (s) | first token p50 (s) |")
-        print("|---:|---:|---:|---|---:|")
+        for name, prompts in sets.items():
+            bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
+                           stream=True, stream_options={"include_usage": True}) for p in prompts]
+            request(u.hostname, u.port, bodies[0])  # warm up
+            set_rows = [dict(run(u.hostname, u.port, bodies, c), set=name) for c in
+                        [int(x) for x in args.concurrency.split(",")]]
+            for r in set_rows:
+                r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
+            rows += set_rows
+        lengths = {k: (min(map(len, v)), max(map(len, v))) for k, v in sets.items()}
+        print(f"serve_bench: {model} at {url}, {args.requests} requests x {args.max_tokens} output tokens, greedy; "
+              + "; ".join(f"set {k}: prompts {a}-{b} tokens" for k, (a, b) in lengths.items())
+              + f"; concurrency {rows[0]['concurrency']} is the baseline")
+        print("| set | concurrency | req/s | output tok/s | vs one by one | TTFT mean / median / p99 (ms) | "
+              "TPOT mean / median / p99 (ms) | ITL mean / median / p99 (ms) |")
+        print("|---|---:|---:|---:|---:|---|---|---|")
         for r in rows:
-            r["vs_first"] = round(r["tokens_per_sec"] / base, 2)
-            print(f"| {r['concurrency']} | {r['tokens_per_sec']:,.0f} | {r['vs_first']:.2f}x | "
-                  f"{r['latency_p50']:.2f} / {r['latency_p90']:.2f} / {r['latency_p99']:.2f} | {r['ttft_p50']:.3f} |")
+            print(f"| {r['set']} | {r['concurrency']} | {r['request_throughput']:.2f} | "
+                  f"{r['output_tokens_per_sec']:,.0f} | {r['vs_first']:.2f}x | "
+                  + " | ".join(" / ".join(f"{r[f'{k}_{s}_ms']:,.0f}" for s in ("mean", "median", "p99"))
+                               for k in ("ttft", "tpot", "itl")) + " |")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
@@ -131,9 +161,9 @@ def main() -> None:
             proc.wait(60)
 
 
-def _get(host, port, path) -> str:
-    c = http.client.HTTPConnection(host, port, timeout=30)
-    c.request("GET", path)
+def _call(host, port, method, path, body=None) -> str:
+    c = http.client.HTTPConnection(host, port, timeout=60)
+    c.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
     return c.getresponse().read().decode()
 
 

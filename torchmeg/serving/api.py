@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -35,6 +36,35 @@ class Served:
     template_error: str
     model_id: str
     max_len: int
+    _mailbox: "Mailbox | None" = None
+
+    def mailbox(self) -> "Mailbox":
+        if self._mailbox is None:
+            self._mailbox = Mailbox(asyncio.get_running_loop())
+        return self._mailbox
+
+
+class Mailbox:
+    """The engine's thread hands events to the requests' queues on the event loop: a step's events
+    for every request in one wake-up of the loop (one call_soon_threadsafe while a delivery is
+    pending, not one per token per request)."""
+
+    def __init__(self, loop):
+        self.loop, self.items, self.pending, self.lock = loop, [], False, threading.Lock()
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.pending:
+                return
+            self.pending = True
+        self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.pending = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 class ApiError(Exception):
@@ -179,9 +209,9 @@ def _job(ids, max_tokens, body, index: int, stops, eos) -> Job:
 
 async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str, prefix: list[str],
                    prompt_tokens: int, chat: bool):
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    events, mailbox = asyncio.Queue(), s.mailbox()
     for i, job in enumerate(jobs):
-        job.on_event = lambda text, ids, reason, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, text, reason))
+        job.on_event = lambda text, ids, reason, i=i: mailbox.put(events, (i, text, reason))
     try:
         for job in jobs:
             s.engine.submit(job)

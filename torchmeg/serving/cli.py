@@ -1,5 +1,5 @@
 """python -m torchmeg.serve --config RECIPE [--section.key=value ...] [--host 127.0.0.1] [--port 8000]
-       [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--prefill-tokens 4096] [--dtype auto]
+       [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--kv-cache-gib G] [--prefill-tokens 4096] [--dtype auto]
        [--served-model-name NAME] [--drain-timeout 60]
 
 Serves the recipe's trained model over HTTP with OpenAI's API (/v1/completions,
@@ -34,7 +34,8 @@ from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.serving.engine import Engine
-from torchmeg.serving.runner import follow
+from torchmeg.serving.kv_budget import budget_bytes, slot_length
+from torchmeg.serving.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
 
 PROG = "torchmeg.serve"
@@ -49,7 +50,11 @@ def parse(argv: list[str]):
     ap.add_argument("--max-seqs", type=int, default=32, help="sequences decoded together (KV cache slots)")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; beyond: 429")
     ap.add_argument("--max-model-len", type=int, default=0,
-                    help="prompt + completion tokens per sequence (default: the model's max_seq_len)")
+                    help="prompt + completion tokens per sequence (default: the model's max_seq_len, or what "
+                         "the KV cache budget holds at --max-seqs when that is less)")
+    ap.add_argument("--kv-cache-gib", type=float, default=0.0,
+                    help="KV cache memory per rank (default: 90%% of the GPU memory free after the weights; "
+                         "4 GiB on a CPU)")
     ap.add_argument("--prefill-tokens", type=int, default=4096,
                     help="prompt tokens prefilled per step beside the running decodes (at least one prompt)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
@@ -66,11 +71,10 @@ def prepare(argv: list[str]):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     a.kv_copies = replicate_kv_heads(cfg, world)
     layout = validate(inference_config(cfg, world), world, data=False)
-    limit = layout.args.max_seq_len
-    a.max_model_len = a.max_model_len or limit
+    a.limit = limit = layout.args.max_seq_len
     for flag, v, lo in (("--max-seqs", a.max_seqs, 1), ("--max-queue", a.max_queue, 0), ("--port", a.port, 0),
-                        ("--prefill-tokens", a.prefill_tokens, 1), ("--max-model-len", a.max_model_len, 2),
-                        ("--drain-timeout", a.drain_timeout, 0)):
+                        ("--prefill-tokens", a.prefill_tokens, 1), ("--max-model-len", a.max_model_len or 2, 2),
+                        ("--drain-timeout", a.drain_timeout, 0), ("--kv-cache-gib", a.kv_cache_gib, 0)):
         if v < lo:
             raise ConfigError(f"{flag} {v}: must be >= {lo}")
     if a.max_model_len > limit:
@@ -95,6 +99,9 @@ def run(prepared) -> None:
     if dtype != torch.float32:
         model.to(dtype)
     rank, world = dist.get_rank(), dist.get_world_size()
+    budget, source = budget_bytes(a.kv_cache_gib, device)
+    a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
+                                              budget, source)
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_queue, a.prefill_tokens,
                     channel=channel)
@@ -133,7 +140,8 @@ def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
         kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
         print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
               f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens "
-              f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}) | "
+              f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}"
+              f"{'; ' + a.len_note if a.len_note else ''}) | "
               f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
         yield
         stopping.set()

@@ -34,7 +34,7 @@ class Engine:
                  prefill_tokens: int = 4096, channel=None):
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
         self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
-        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens)
+        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler)
         self.metrics = Metrics()
         self.output = OutputProcessor(tokenizer, self.metrics)
         self.channel = channel  # TP: sends each Plan to the other ranks
@@ -97,7 +97,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         with self.cond:
-            plan, chunks, decoding = self.scheduler.schedule()
+            plan, chunks, decoding, decode_rows = self.scheduler.schedule()
         if not (plan.prefill or plan.rows or plan.moves):
             return
         # a chunk that completes its prompt gives its sequence's first token
@@ -107,7 +107,7 @@ class Engine:
             if self.channel is not None:
                 self.channel(plan)
             logits = self.runner.forward(plan)
-            rows = logits[torch.tensor(done + list(range(len(chunks), logits.shape[0])), dtype=torch.long)]
+            rows = logits[torch.tensor(done + [len(chunks) + r for r in decode_rows], dtype=torch.long)]
             new = sample_rows(rows, jobs) if jobs else []
             scores = token_logprobs(rows, jobs, new) if jobs else []
             for (slot, start, _), job in zip(plan.prefill, chunks):

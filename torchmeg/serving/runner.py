@@ -87,11 +87,17 @@ class ModelRunner:
                 self.full[slot] = logits[0]
             out.append(logits[:, -1])
             cache.advance(len(chunk))
-        for slot, token in zip(plan.rows, plan.tokens):
+        decoded = []
+        for i, (slot, token) in enumerate(zip(plan.rows, plan.tokens)):
+            if i in plan.riders:  # (its own cache holds only what it has prefilled)
+                decoded.append(None)
+                continue
             cache = self.own[slot]
             tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            out.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
+            decoded.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
             cache.advance(1)
+        real = next((d for d in decoded if d is not None), None)
+        out += [torch.zeros_like(real) if d is None else d for d in decoded]
         return torch.cat(out).float() if out else torch.empty(0)
 
     def bytes_per_token(self) -> int:
@@ -101,24 +107,34 @@ class ModelRunner:
             return 0
         probe, self.cache = self.cache, SlotCache(1, 1, self.device)
         try:
-            self.forward(Plan(prefill=[(0, 0, [self.filler])]))
-            bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
-            return sum(b.numel() * b.element_size() for b in bufs)
+            with torch.no_grad():
+                self.forward(Plan(prefill=[(0, 0, [self.filler])]))
+            return self._bytes()
         finally:
             self.cache = probe
+
+    def _bytes(self) -> int:
+        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def reserve(self) -> int:
         """Allocate the KV cache now (a one-token prefill into slot 0; every rank at once under TP):
         a cache that does not fit fails at start, not at the first request. -> its bytes."""
         try:
-            self.forward(Plan(prefill=[(0, 0, [self.filler])]))
+            with torch.no_grad():
+                self.forward(Plan(prefill=[(0, 0, [self.filler])]))
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's "can't allocate"
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
             raise ConfigError(f"--max-seqs {self.max_seqs} x --max-model-len {self.max_len}: the KV cache does not fit "
                               f"({str(e).splitlines()[0]}); lower either") from None
-        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
-        return sum(b.numel() * b.element_size() for b in bufs)
+        return self._bytes()
+
+
+def kv_bytes_per_token(model, device) -> int:
+    """KV cache bytes one position of one sequence takes on this rank (every layer; 0 for a model
+    that keeps its own cache): a one-token prefill into a cache of one position."""
+    return ModelRunner(model, device, 1, 1).bytes_per_token()
 
 
 def follow(runner: ModelRunner, receive: Callable[[], Plan]) -> None:

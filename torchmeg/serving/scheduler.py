@@ -68,19 +68,22 @@ class Job:
 class Plan:
     """One step's forwards. `moves`: (src, dst, length) slot copies first; `prefill`: (slot, start,
     tokens) prompt chunks; `full`: the slots whose chunk keeps every position's logits (prompt
-    log-probs); then one decode token per slot in `rows` (`tokens`, at `starts`)."""
+    log-probs); then one decode token per slot in `rows` (`tokens`, at `starts`; `riders`: rows of
+    sequences still prefilling, whose logits are not read)."""
     moves: list[tuple[int, int, int]] = field(default_factory=list)
     prefill: list[tuple[int, int, list[int]]] = field(default_factory=list)
     full: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
+    riders: list[int] = field(default_factory=list)  # rows of sequences still being prefilled (filler tokens)
     stop: bool = False
 
 
 class Scheduler:
-    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int):
+    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, max_len: int, filler: int = 0):
         self.max_seqs, self.max_queue, self.prefill_tokens = max_seqs, max_queue, prefill_tokens
+        self.max_len, self.filler = max_len, filler
         self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding)
         self.waiting: deque[Job] = deque()
 
@@ -93,8 +96,8 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[Plan, list[Job], list[Job]]:
-        """-> (the plan, the jobs of its prefill chunks in order, the decoding jobs in row order)."""
+    def schedule(self) -> tuple[Plan, list[Job], list[Job], list[int]]:
+        """-> (the plan, the jobs of its prefill chunks in order, the decoding jobs, their rows)."""
         for slot, job in list(self.running.items()):
             if job.cancelled or job.finish_reason is not None:
                 del self.running[slot]
@@ -113,13 +116,26 @@ class Scheduler:
             self.running[job.slot] = job
             budget -= self._chunk(plan, job, budget)
             chunks.append(job)
+        # One decode row per running slot, 0..n-1 (a view of the cache): a sequence still being
+        # prefilled rides along with a filler token written where its next chunk (or its first
+        # decode) writes over it, its logits not read.
         prefilling = {id(j) for j in chunks}
-        decoding = [j for j in sorted(self.running.values(), key=lambda j: j.slot)
-                    if j.prefilled == len(j.prompt) and j.tokens and id(j) not in prefilling]
-        plan.rows = [j.slot for j in decoding]
-        plan.tokens = [j.tokens[-1] for j in decoding]
-        plan.starts = [j.cached for j in decoding]
-        return plan, chunks, decoding
+        decoding, rows = [], []
+        for slot in range(len(self.running)):
+            job = self.running[slot]
+            if job.prefilled == len(job.prompt) and job.tokens and id(job) not in prefilling:
+                decoding.append(len(rows))
+                plan.tokens.append(job.tokens[-1])
+                plan.starts.append(job.cached)
+            else:
+                plan.riders.append(len(rows))
+                plan.tokens.append(self.filler)
+                plan.starts.append(min(job.prefilled, self.max_len - 1))
+            rows.append(job)
+        plan.rows = list(range(len(rows))) if decoding else []
+        if not decoding:
+            plan.tokens, plan.starts, plan.riders = [], [], []
+        return plan, chunks, [rows[i] for i in decoding], decoding
 
     def _chunk(self, plan: Plan, job: Job, budget: int) -> int:
         n = min(len(job.prompt) - job.prefilled, budget)

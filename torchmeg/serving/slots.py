@@ -32,6 +32,19 @@ import torch.nn.functional as F
 from torchmeg.models.kv_cache import LayerCache
 
 
+PER_ROW_BYTES = 256 * 1024  # padding bytes a sequence's decode would read, above which it attends alone
+
+
+def per_row_pays(lengths: list[int], read_len: int, bytes_per_position: int) -> bool:
+    """Decode over each sequence's own length (one SDPA call per sequence) instead of one call over
+    the view padded to the longest: on CPU a decode step is bound by reading the cache, and a call
+    costs ~25 us, the time to read ~256 KiB; so per sequence when the padding it saves is more than
+    that per sequence. (On CUDA one kernel over the padded view: a variable-length or paged kernel is
+    the GPU's answer; not built here.)"""
+    waste = len(lengths) * read_len - sum(lengths)
+    return waste * bytes_per_position > PER_ROW_BYTES * len(lengths)
+
+
 class SlotCache:
     def __init__(self, slots: int, max_len: int, device):
         self.slots, self.max_len, self.device = slots, max_len, torch.device(device)
@@ -51,6 +64,9 @@ class SlotCache:
             raise ValueError(f"slot cache of {self.max_len} positions is full ({max(starts) + n} needed)")
         self.spans, self.n = None, n
         self.read_len = max(starts) + n
+        self.lengths = [s + n for s in starts]
+        self.per_row = False  # (set by the first layer's attend: serving.slots.per_row_pays)
+        self._decode = n == 1 and self.device.type == "cpu" and len(rows) > 1
         first = rows[0]
         # Slots side by side (the scheduler keeps them so) are read as a view; others gathered.
         self._contiguous = list(rows) == list(range(first, first + len(rows)))
@@ -76,6 +92,7 @@ class SlotCache:
         doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
         positions = torch.arange(T, device=dev) - (ends - torch.tensor(lengths, device=dev))[doc]
         self.rows = torch.tensor(slots, dtype=torch.long, device=dev)[doc][None]
+        self.per_row = self._decode = False
         self.write_at, self.n, self.read_len = positions[None], T, T
         self._mask = None
         self._doc = doc
@@ -121,9 +138,14 @@ class SlotLayer(LayerCache):
 
     def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
         c = self.owner
-        if c.spans is None:
+        if c.spans is None and c._decode and self.k is not None and self is next(iter(c.layers.values())):
+            c.per_row = per_row_pays(c.lengths, c.read_len, 2 * self.k[0, :, 0].numel() * self.k.element_size())
+        if c.spans is None and not c.per_row:
             return super().attend(q_BHLD, k_BKLD, v_BKLD)
         k, v = self.update(k_BKLD, v_BKLD)
         gqa = q_BHLD.shape[1] != k.shape[1]
+        if c.spans is None:  # one query per sequence: all its keys, no mask
+            return torch.cat([F.scaled_dot_product_attention(q_BHLD[i:i + 1], k[i:i + 1, :, :L], v[i:i + 1, :, :L],
+                                                             enable_gqa=gqa) for i, L in enumerate(c.lengths)])
         return torch.cat([F.scaled_dot_product_attention(q_BHLD[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
                                                          enable_gqa=gqa) for a, b in c.spans], dim=2)

@@ -1,0 +1,182 @@
+"""The serving engine's parts, each seen doing its job: the scheduler packs the prompts that start in
+a step into one forward, chunks a long prompt under the token budget beside the running decodes and
+keeps the running sequences in slots 0..n-1 (a departure moves one sequence; the decode step reads
+the cache as a view); the output processor detokenizes incrementally (a handful of tokens per
+decode, the text = the tokenizer's own decode); the KV cache is sized from a memory budget; the
+metrics count what ran. Every sequence still gets the tokens `generate` gives it alone.
+"""
+import inspect
+import json
+
+import pytest
+import torch
+
+from conftest import byte_level_bpe
+from torchmeg.config.errors import ConfigError
+from torchmeg.config.schema import load_config
+from torchmeg.data.tokenizer import ByteTokenizer, HFTokenizer
+from torchmeg.inference.engine import Sampling, generate
+from torchmeg.models import build_model, materialize
+from torchmeg.models.args import model_args
+from torchmeg.serving import slots
+from torchmeg.serving.engine import Engine
+from torchmeg.serving.kv_budget import slot_length
+from torchmeg.serving.output import CONTEXT, Detokenizer
+from torchmeg.serving.runner import kv_bytes_per_token
+from torchmeg.serving.scheduler import Job
+
+
+def _model(name="llama"):
+    cfg = load_config("recipes/debug_llama.toml", [f"--model.name={name}", "--model.flavor=debug"])
+    return materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval(), cfg
+
+
+def _recording(engine):
+    """Record every plan the runner runs and every model forward's token shape."""
+    plans, shapes, forward = [], [], engine.runner.forward
+
+    def run(plan):
+        plans.append(plan)
+        return forward(plan)
+    engine.runner.forward = run
+    engine.runner.model.register_forward_pre_hook(lambda m, args, kw: shapes.append(tuple((args or (kw["tokens_BL"],))[0].shape)),
+                                                  with_kwargs=True)
+    return plans, shapes
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt_oss"])
+def test_prompts_pack_long_ones_chunk_and_running_slots_stay_contiguous(name, monkeypatch):
+    """Five short prompts start in one step: one forward of all of them packed (a row of their summed
+    length), the head on each one's last token. A 40-token prompt with a budget of 16 prompt tokens a
+    step is prefilled in chunks of 16, 16, 8 while the others decode in the same steps. Sequences
+    leave at different steps: after every step the running ones sit in slots 0..n-1 (moves happened,
+    each of a sequence's cached positions), and a decode forward has one row per running sequence.
+    Decode steps whose sequences' lengths differ widely attend per sequence over its own keys.
+    Every sequence gets `generate`'s tokens alone (greedy and seeded). gpt-oss reads the packed
+    prompts' block-diagonal mask (its own attention), llama the per-prompt SDPA calls."""
+    model, _ = _model(name)
+    monkeypatch.setattr(slots, "PER_ROW_BYTES", 0)  # per sequence at any padding (the rule: test below)
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=5, max_len=96, max_queue=8, prefill_tokens=16)
+    plans, shapes = _recording(engine)
+    prompts = [list(b"ab"), list(b"cde"), list(b"f"), list(b"ghij"), list(b"kl")]
+    lengths = [3, 9, 5, 12, 7]
+    sampling = [Sampling(), Sampling(temperature=0.9, seed=3), Sampling(), Sampling(top_p=0.6, temperature=1.0, seed=1),
+                Sampling()]
+    jobs = [Job(p, n, s, on_event=lambda *a: None) for p, n, s in zip(prompts, lengths, sampling)]
+    for j in jobs:
+        engine.submit(j)
+    engine.step()
+    assert shapes == [(1, 12)] and plans[0].prefill == [(i, 0, p) for i, p in enumerate(prompts)]
+    long = Job(list(range(40, 80)), 6, Sampling(), on_event=lambda *a: None)
+    while any(j.finish_reason is None for j in jobs[:1]):
+        engine.step()
+    engine.submit(long)
+    per_row = []
+    while engine.running or engine.waiting:
+        engine.step()
+        per_row.append(engine.cache.per_row)
+        assert sorted(engine.running) == list(range(len(engine.running)))
+    assert (any(per_row) and not all(per_row)) if name == "llama" else not any(per_row)  # (gpt-oss: its own attention)  # (decode over each sequence's own length where padding would waste)
+    chunks = [(p.prefill, p.rows) for p in plans if any(len(c[2]) > 4 for c in p.prefill)]
+    assert [len(c[0][0][2]) for c in chunks] == [16, 16, 8] and all(rows for _, rows in chunks), chunks
+    assert [c[0][0][1] for c in chunks] == [0, 16, 32]
+    moves = [m for p in plans for m in p.moves]
+    assert moves and all(dst < src for src, dst, _ in moves)
+    for p in plans:
+        if p.rows:
+            assert p.rows == list(range(len(p.rows)))
+    for j, p, n, s in zip(jobs + [long], prompts + [long.prompt], lengths + [6], sampling + [Sampling()]):
+        assert j.tokens == generate(model, [p], n, -1, s, "cpu")[0].tokens
+
+
+def test_decode_goes_per_sequence_where_the_padding_costs_more_than_a_call():
+    """PER_ROW_BYTES (256 KiB, ~25 us of reading on this CPU, what an SDPA call costs) per sequence:
+    two sequences of 1,000 and 100 positions at 1 KiB a position (the debug model) pad 900 KiB > 512
+    KiB: per sequence; 300 and 200 pad 100 KiB: one call over the padded view."""
+    assert slots.per_row_pays([1000, 100], 1000, 1024) and not slots.per_row_pays([300, 200], 300, 1024)
+    assert slots.per_row_pays([300, 200], 300, 8 * 1024)  # (an 8B: 8 kv heads x 128 x (k, v) x fp32 = 8 KiB)
+
+
+def _sentencepiece_like(path):
+    """A BPE with a Metaspace pre-tokenizer and decoder (Llama 2, Mistral, T5 style: the decoder drops
+    a word's leading space at the start of a text), trained here on stdlib source."""
+    import textwrap
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator([inspect.getsource(textwrap), inspect.getsource(json)],
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(path))
+
+
+@pytest.mark.parametrize("kind", ["byte", "byte_level_bpe", "sentencepiece_like"])
+def test_incremental_detokenization_is_the_tokenizers_decode(kind, tmp_path):
+    """Token by token, the text given out = the tokenizer's decode of prompt + completion beyond the
+    prompt's (a sentencepiece-style decoder keeps the completion's leading space as the prompt's
+    continuation; byte-level tokenizers: = decode(completion)); never an incomplete character
+    (emoji and accents split across byte tokens), and each token decodes a handful of tokens, not
+    the whole completion."""
+    if kind == "byte":
+        tok = ByteTokenizer()
+    else:
+        (byte_level_bpe(tmp_path / "t.json", 400, ["<|endoftext|>"]) if kind == "byte_level_bpe"
+         else _sentencepiece_like(tmp_path / "t.json"))
+        tok = HFTokenizer(str(tmp_path / "t.json"))
+    prompt = tok.encode("The parser reads")
+    completion = tok.encode(" the width of each line, then wraps it: héllo wörld 🙂 done") * 6
+    seen = []
+    decode = tok.decode
+    tok.decode = lambda ids: seen.append(len(ids)) or decode(ids)
+    d, deltas = Detokenizer(tok, prompt), []
+    for t in completion:
+        deltas.append(d.add(t))
+    deltas.append(d.flush())
+    tok.decode = decode
+    want = decode(prompt + completion)[len(decode(prompt)):]
+    assert "".join(deltas) == want and not any("\ufffd" in x for x in deltas)
+    if kind != "sentencepiece_like":
+        assert want == decode(completion)
+    else:
+        assert want.startswith(" the") and not decode(completion).startswith(" ")
+    assert max(seen) <= CONTEXT + 8, max(seen)  # (a character of up to 4 bytes, the window behind it)
+
+
+def test_kv_cache_sized_from_the_budget():
+    """Bytes per position measured by a probe = layers x (k, v) x kv heads x head dim x fp32; without
+    --max-model-len a slot holds what the budget allows, capped at the model's context, and the
+    header's note says why; a size beyond the budget is one line naming the flags."""
+    model, cfg = _model()
+    a = model_args(cfg, 257)
+    per = kv_bytes_per_token(model, "cpu")
+    assert per == a.n_layers * 2 * a.kv_heads * a.head_dim * 4
+    assert slot_length(32, 0, 2048, per, 2 ** 30, "x") == (2048, "")  # 1 GiB holds 32 x 2048 x 4 KiB x 2
+    got, note = slot_length(32, 0, 2048, per, 32 * 1000 * per, "--kv-cache-gib 0.12")
+    assert got == 1000 and "--max-model-len 1000 of the model's 2048" in note
+    with pytest.raises(ConfigError, match=r"^--max-seqs 32 x --max-model-len 2048: the KV cache needs 0\.25 GiB, the "
+                                          r"budget is 0\.12 GiB \(--kv-cache-gib 0\.125\); lower either"):
+        slot_length(32, 2048, 2048, per, 2 ** 27, "--kv-cache-gib 0.125")
+    with pytest.raises(ConfigError, match=r"^--max-seqs 32: the KV cache budget .* holds 1 positions per slot"):
+        slot_length(32, 0, 2048, per, 32 * per, "x")
+
+
+def test_metrics_count_what_ran():
+    """Prometheus histograms: one time-to-first-token per sequence, one inter-token latency per token
+    after the first, one end-to-end latency per finished sequence, finished requests by reason,
+    prompt tokens = the prompts' lengths, generation tokens = the tokens generated."""
+    model, _ = _model()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=8)
+    jobs = [Job(list(b"xyz"[:i + 1]), 4 + i, Sampling(), on_event=lambda *a: None) for i in range(3)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    engine.load()
+    text = engine.metrics.render().decode()
+    values = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
+    assert values["torchmeg_time_to_first_token_seconds_count"] == 3
+    assert values["torchmeg_inter_token_latency_seconds_count"] == sum(len(j.tokens) - 1 for j in jobs) == 12
+    assert values["torchmeg_e2e_request_latency_seconds_count"] == 3
+    assert values['torchmeg_request_success_total{finished_reason="length"}'] == 3
+    assert values["torchmeg_prompt_tokens_total"] == 6 and values["torchmeg_generation_tokens_total"] == 15
+    assert values["torchmeg_num_requests_running"] == 0 and values["torchmeg_requests_total"] == 3
