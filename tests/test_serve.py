@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -17,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, _free_port, _run_one, _start, assert_tensor_close
+from conftest import FP32_PARITY, ROOT, _free_port, _run_one, _start, assert_close, assert_tensor_close
 
 import openai
 
@@ -192,13 +193,13 @@ def test_bad_requests_get_the_api_errors_and_the_server_goes_on(server):
 
 
 @pytest.mark.slow
-def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, server):
+def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, server, tmp_path):
     """What an evaluation harness sends to score a prompt (echo, logprobs, max_tokens 0): the prompt's
-    log-probs = transformers' on the checkpoint's HF export; completions and chat report each generated
+    log-probs = transformers' on the checkpoint's HF export and torchmeg.eval's loss; completions and chat report each generated
     token's log-prob with its top alternatives, sorted, the greedy token first."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(debug_run / "debug" / "checkpoint" / "hf")).eval()
-    ids = list(b"def fibonacci(n):\n    if n < 2:\n        return n")
+    ids = list(b"def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n")
     r = server.client.completions.create(model="debug", prompt=[ids], echo=True, logprobs=2, max_tokens=0)
     lp = r.choices[0].logprobs
     assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids) and r.usage.completion_tokens == 0
@@ -206,6 +207,18 @@ def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, serve
         want = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
     want = want[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert_tensor_close(torch.tensor(lp.token_logprobs[1:]), want, FP32_PARITY, "echoed prompt log-probs")
+    # torchmeg.eval's loss on a store of this text (one document; the eval split is not shuffled, so its
+    # first window of 47 is the text's first 48 tokens) = the mean of the echoed log-probs of those
+    (tmp_path / "doc.py").write_bytes(bytes(ids))
+    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "doc.py"), "--tokenizer",
+                    "byte", "--output-prefix", str(tmp_path / "store")], cwd=ROOT, check=True, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
+                        f"--job.dump_folder={debug_run}", "--job.name=debug", f"--data.dataset={tmp_path / 'store'}",
+                        "--split", "all", "--steps", "1", "--data.seq_len=47", "--training.local_batch_size=1", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert_close(json.loads(p.stdout.splitlines()[-1])["loss"], -sum(lp.token_logprobs[1:48]) / 47, FP32_PARITY,
+                 "eval loss vs echoed log-probs")
     r = server.client.completions.create(model="debug", prompt="import os\n", logprobs=3, max_tokens=8, temperature=0,
                                          extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
@@ -321,3 +334,29 @@ def test_tp2_serves_what_one_process_serves(debug_run, server):
         assert tp.stop() == [0, 0]
     finally:
         tp.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [1, 0])
+def test_tp2_server_ends_every_rank_when_one_dies(debug_run, killed):
+    """Rank `killed` of a TP2 server dies (SIGKILL) with a stream in flight: the other rank's next
+    collective fails at once (gloo: the peer's socket closed), so the stream ends in an error (not
+    the length it asked for) and the survivor exits non-zero within seconds, not at the collective
+    timeout. (NCCL does not fail at once: there the process group's timeout bounds it.)"""
+    s = Server(debug_run, nproc=2)
+    try:
+        stream = iter(s.client.completions.create(model="debug", prompt="def f(x):", max_tokens=1900, temperature=0,
+                                                  stream=True, extra_body={"ignore_eos": True}))
+        next(stream), next(stream)
+        os.kill(s.procs[killed].pid, signal.SIGKILL)
+        t0, last = time.time(), None
+        try:
+            for c in stream:
+                last = c.choices[0].finish_reason if c.choices else last
+        except Exception:  # noqa: BLE001 - the connection ends with the server (or its error event)
+            pass
+        survivor = s.procs[1 - killed]
+        code = survivor.wait(30)
+        assert code != 0 and time.time() - t0 < 15 and last != "length", (code, time.time() - t0, s.log())
+    finally:
+        s.kill()

@@ -17,6 +17,7 @@ absolute numbers are this machine's.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -25,31 +26,49 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def request(host: str, port: int, body: dict) -> dict:
-    """One streamed completion -> its TTFT, end-to-end latency, token times and count."""
+async def request(host: str, port: int, body: dict) -> dict:
+    """One streamed completion over a raw asyncio connection (HTTP/1.1, chunked server-sent events; a
+    light client: it shares this machine's cores with the server) -> its TTFT, end-to-end latency,
+    token times and count."""
     t0 = time.perf_counter()
-    c = http.client.HTTPConnection(host, port, timeout=900)
-    c.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
-    if r.status != 200:
-        raise SystemExit(f"serve_bench: the server answered {r.status}: {r.read()[:300]!r}")
-    stamps, tokens = [], 0
-    for line in r:
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        elif chunk["choices"] and chunk["choices"][0].get("text"):
-            stamps.append(time.perf_counter() - t0)
-    c.close()
+    reader, writer = await asyncio.open_connection(host, port)
+    data = json.dumps(body).encode()
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    status = await reader.readline()
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    if b" 200 " not in status:
+        raise SystemExit(f"serve_bench: the server answered {status!r}: {await reader.read(300)!r}")
+    stamps, tokens, buf = [], 0, b""
+    while True:
+        if headers.get("transfer-encoding") == "chunked":
+            size = int((await reader.readline()).strip() or b"0", 16)
+            piece = await reader.readexactly(size + 2) if size else b""
+            piece = piece[:-2]
+        else:
+            piece = await reader.read(65536)
+        if not piece:
+            break
+        buf += piece
+        *events, buf = buf.split(b"\n\n")
+        for ev in events:
+            ev = ev.strip()
+            if not ev.startswith(b"data: ") or ev == b"data: [DONE]":
+                continue
+            chunk = json.loads(ev[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif chunk["choices"] and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter() - t0)
+    writer.close()
     end = time.perf_counter() - t0
     ttft = stamps[0] if stamps else end
     return dict(ttft=ttft, e2e=end, tokens=tokens, itl=[b - a for a, b in zip(stamps, stamps[1:])],
@@ -97,12 +116,19 @@ def start_server(args, rest) -> tuple[subprocess.Popen, str]:
 
 
 def run(host, port, bodies: list[dict], concurrency: int) -> dict:
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        got = list(pool.map(lambda b: request(host, port, b), bodies))
-    wall = time.perf_counter() - t0
+    async def all_of_them():
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(b):
+            async with gate:
+                return await request(host, port, b)
+        return await asyncio.gather(*(one(b) for b in bodies))
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    got = asyncio.run(all_of_them())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     tokens = sum(g["tokens"] for g in got)
     row = dict(concurrency=concurrency, requests=len(bodies), output_tokens=tokens, seconds=round(wall, 3),
+               client_cpu_share=round(cpu / wall, 3),
                request_throughput=round(len(bodies) / wall, 3), output_tokens_per_sec=round(tokens / wall, 1))
     for key, xs in (("ttft", [g["ttft"] for g in got]), ("tpot", [g["tpot"] for g in got if g["tokens"] > 1]),
                     ("itl", [x for g in got for x in g["itl"]]), ("e2e", [g["e2e"] for g in got])):
@@ -134,7 +160,7 @@ def main() -> None:
         for name, prompts in sets.items():
             bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                            stream=True, stream_options={"include_usage": True}) for p in prompts]
-            request(u.hostname, u.port, bodies[0])  # warm up
+            asyncio.run(request(u.hostname, u.port, bodies[0]))  # warm up
             set_rows = [dict(run(u.hostname, u.port, bodies, c), set=name) for c in
                         [int(x) for x in args.concurrency.split(",")]]
             for r in set_rows:
