@@ -228,7 +228,8 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
     try:
         while None in reasons:
             try:
-                i, text, reason = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+                i, text, reason = events.get_nowait() if not events.empty() else \
+                    await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
                 texts[i] += text
                 reasons[i] = reason
             except asyncio.TimeoutError:
@@ -285,18 +286,25 @@ async def _stream(s: Served, request: Request, body, jobs, events, rid, created,
             if chat or prefix[i]:
                 yield chunk(i, prefix[i], None, first=True)
         while left:
-            try:
-                i, text, reason = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            try:  # (a timer only when the queue is empty)
+                batch = [events.get_nowait() if not events.empty() else
+                         await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)]
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     return
                 continue
-            if reason and reason.startswith("error"):
-                yield _sse(error_body(f"generation failed: {reason[7:]}", "server_error"))
-                return
-            if text or reason:
-                yield chunk(i, text, reason)
-            left -= reason is not None
+            while not events.empty():  # every event already there in one write (a loop that fell behind)
+                batch.append(events.get_nowait())
+            out = []
+            for i, text, reason in batch:
+                if reason and reason.startswith("error"):
+                    yield "".join(out) + _sse(error_body(f"generation failed: {reason[7:]}", "server_error"))
+                    return
+                if text or reason:
+                    out.append(chunk(i, text, reason))
+                left -= reason is not None
+            if out:
+                yield "".join(out)
         if body.stream_options and body.stream_options.include_usage:
             yield _sse({"id": rid, "object": obj, "created": created, "model": s.model_id, "choices": [],
                         "usage": _usage(prompt_tokens, jobs)})

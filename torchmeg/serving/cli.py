@@ -1,5 +1,5 @@
 """python -m torchmeg.serve --config RECIPE [--section.key=value ...] [--host 127.0.0.1] [--port 8000]
-       [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--kv-cache-gib G] [--prefill-tokens 4096] [--dtype auto]
+       [--max-seqs 32] [--max-queue 256] [--max-model-len N] [--kv-cache-gib G] [--prefill-tokens 2048] [--dtype auto]
        [--served-model-name NAME] [--drain-timeout 60]
 
 Serves the recipe's trained model over HTTP with OpenAI's API (/v1/completions,
@@ -55,8 +55,9 @@ def parse(argv: list[str]):
     ap.add_argument("--kv-cache-gib", type=float, default=0.0,
                     help="KV cache memory per rank (default: 90%% of the GPU memory free after the weights; "
                          "4 GiB on a CPU)")
-    ap.add_argument("--prefill-tokens", type=int, default=4096,
-                    help="prompt tokens prefilled per step beside the running decodes (at least one prompt)")
+    ap.add_argument("--prefill-tokens", type=int, default=2048,
+                    help="prompt tokens prefilled per step beside the running decodes: a longer prompt is "
+                         "prefilled in chunks (bounds the running sequences' inter-token gap)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
     ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")

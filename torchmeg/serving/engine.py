@@ -31,7 +31,7 @@ log = logging.getLogger("torchmeg.serve")
 
 class Engine:
     def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
-                 prefill_tokens: int = 4096, channel=None):
+                 prefill_tokens: int = 2048, channel=None):
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
         self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
         self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler)
