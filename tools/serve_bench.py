@@ -1,7 +1,7 @@
 """Serving throughput and latency, reported as `vllm bench serve` reports them.
 
     python tools/serve_bench.py --config recipes/debug_llama.toml [--sets mix,fixed] [--concurrency 1,8,32,64]
-        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT] [--json FILE]
+        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine] [--json FILE]
         [--section.key=value ...]
 
 Starts `python -m torchmeg.serve` on the recipe's newest checkpoint (or uses the server at --url),
@@ -11,7 +11,8 @@ library's argparse.py, tokenized by the server's /tokenize) sent as token ids of
 `mix`, lengths spread evenly over 10..1,000 tokens; `fixed`, 12..139 tokens. Per row: request
 throughput, output tokens/s and its ratio to concurrency 1 (one by one), time to first token
 (TTFT), time per output token after the first (TPOT), inter-token latency (ITL, every gap between
-streamed tokens), mean / median / p99. One run, side by side: the ratios are the result; the
+streamed tokens), mean / median / p99. `--engine`: the same requests through the serving engine in
+this process, no HTTP (the engine's own scaling, apart from the server's). One run, side by side: the ratios are the result; the
 absolute numbers are this machine's.
 """
 from __future__ import annotations
@@ -125,17 +126,74 @@ def run(host, port, bodies: list[dict], concurrency: int) -> dict:
         return await asyncio.gather(*(one(b) for b in bodies))
     t0, cpu0 = time.perf_counter(), time.process_time()
     got = asyncio.run(all_of_them())
-    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return summarize(got, time.perf_counter() - t0, (time.process_time() - cpu0) / (time.perf_counter() - t0),
+                     concurrency)
+
+
+def summarize(got: list[dict], wall: float, cpu_share: float, concurrency: int) -> dict:
     tokens = sum(g["tokens"] for g in got)
-    row = dict(concurrency=concurrency, requests=len(bodies), output_tokens=tokens, seconds=round(wall, 3),
-               client_cpu_share=round(cpu / wall, 3),
-               request_throughput=round(len(bodies) / wall, 3), output_tokens_per_sec=round(tokens / wall, 1))
+    row = dict(concurrency=concurrency, requests=len(got), output_tokens=tokens, seconds=round(wall, 3),
+               client_cpu_share=round(cpu_share, 3),
+               request_throughput=round(len(got) / wall, 3), output_tokens_per_sec=round(tokens / wall, 1))
     for key, xs in (("ttft", [g["ttft"] for g in got]), ("tpot", [g["tpot"] for g in got if g["tokens"] > 1]),
                     ("itl", [x for g in got for x in g["itl"]]), ("e2e", [g["e2e"] for g in got])):
         row[f"{key}_mean_ms"] = round(1000 * statistics.fmean(xs), 2) if xs else 0.0
         row[f"{key}_median_ms"] = round(1000 * statistics.median(xs), 2) if xs else 0.0
         row[f"{key}_p99_ms"] = round(1000 * pct(xs, 99), 2)
     return row
+
+
+def engine_runner(args, rest):
+    """--engine: the same requests through torchmeg's serving engine in this process, no HTTP (the
+    engine's own scaling, apart from the server's): each of `concurrency` clients submits its next
+    request when its last one ends. -> (model id, token ids of the text, run(bodies, c) -> row)."""
+    from torchmeg.inference.engine import Sampling  # lazy: --engine only (torch, the model)
+    from torchmeg.inference.trained import load_trained
+    from torchmeg.serving import cli
+    from torchmeg.serving.engine import Engine
+    from torchmeg.serving.scheduler import Job
+    a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest)
+    loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
+    max_len = a.max_model_len or a.limit
+
+    def run_engine(bodies: list[dict], concurrency: int) -> dict:
+        engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
+                        a.prefill_tokens)
+        records, ended = [], []
+
+        def submit(body):
+            rec = dict(t0=time.perf_counter(), stamps=[])
+            records.append(rec)
+
+            def on_event(text, ids, reason):
+                if ids:
+                    rec["stamps"].append(time.perf_counter() - rec["t0"])
+                if reason is not None:
+                    rec["end"] = time.perf_counter() - rec["t0"]
+                    ended.append(rec)
+            job = Job(list(body["prompt"]), body["max_tokens"], Sampling(), on_event=on_event)
+            rec["job"] = job
+            engine.submit(job)
+        queue = list(bodies)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        for _ in range(min(concurrency, len(queue))):
+            submit(queue.pop(0))
+        while engine.running or engine.waiting:
+            engine.step()
+            while ended:
+                ended.pop()
+                if queue:
+                    submit(queue.pop(0))
+        wall = time.perf_counter() - t0
+        got = []
+        for r in records:
+            n, st = len(r["job"].tokens), r["stamps"]
+            ttft = st[0] if st else r["end"]
+            got.append(dict(ttft=ttft, e2e=r["end"], tokens=n, itl=[b - a for a, b in zip(st, st[1:])],
+                            tpot=(r["end"] - ttft) / (n - 1) if n > 1 else 0.0))
+        return summarize(got, wall, (time.process_time() - cpu0) / wall, concurrency)
+    text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+    return cfg.job.name + " (in process)", loaded.tokenizer.encode(text), run_engine
 
 
 def main() -> None:
@@ -148,26 +206,32 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--json", default="")
+    ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
     args, rest = ap.parse_known_args()
-    proc, url = (None, args.url) if args.url else start_server(args, rest)
-    u = urlparse(url)
+    proc, url = (None, "") if args.engine or args.url else start_server(args, rest)
+    url = url or args.url
     try:
-        model = json.loads(_call(u.hostname, u.port, "GET", "/v1/models"))["data"][0]["id"]
-        text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
-        ids = json.loads(_call(u.hostname, u.port, "POST", "/tokenize", {"model": model, "prompt": text}))["tokens"]
+        if args.engine:
+            model, ids, run_one = engine_runner(args, rest)
+            where = "this process"
+        else:
+            u = urlparse(url)
+            model = json.loads(_call(u.hostname, u.port, "GET", "/v1/models"))["data"][0]["id"]
+            text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+            ids = json.loads(_call(u.hostname, u.port, "POST", "/tokenize", {"model": model, "prompt": text}))["tokens"]
+            run_one, where = (lambda bodies, c: run(u.hostname, u.port, bodies, c)), url
         sets = prompt_sets(ids, args.requests, args.sets.split(","))
         rows = []
         for name, prompts in sets.items():
             bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                            stream=True, stream_options={"include_usage": True}) for p in prompts]
-            asyncio.run(request(u.hostname, u.port, bodies[0]))  # warm up
-            set_rows = [dict(run(u.hostname, u.port, bodies, c), set=name) for c in
-                        [int(x) for x in args.concurrency.split(",")]]
+            run_one(bodies[:1], 1)  # warm up
+            set_rows = [dict(run_one(bodies, c), set=name) for c in [int(x) for x in args.concurrency.split(",")]]
             for r in set_rows:
                 r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
             rows += set_rows
         lengths = {k: (min(map(len, v)), max(map(len, v))) for k, v in sets.items()}
-        print(f"serve_bench: {model} at {url}, {args.requests} requests x {args.max_tokens} output tokens, greedy; "
+        print(f"serve_bench: {model} at {where}, {args.requests} requests x {args.max_tokens} output tokens, greedy; "
               + "; ".join(f"set {k}: prompts {a}-{b} tokens" for k, (a, b) in lengths.items())
               + f"; concurrency {rows[0]['concurrency']} is the baseline")
         print("| set | concurrency | req/s | output tok/s | vs one by one | TTFT mean / median / p99 (ms) | "
