@@ -33,7 +33,6 @@ from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
-from torchmeg.serving.engine import Engine
 from torchmeg.serving.kv_budget import budget_bytes, slot_length
 from torchmeg.serving.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
@@ -82,7 +81,8 @@ def prepare(argv: list[str]):
         raise ConfigError(f"--max-model-len {a.max_model_len}: beyond the model's max_seq_len {limit}; lower it")
     try:
         import fastapi  # noqa: F401  lazy: the serve extra
-        import uvicorn  # noqa: F401
+        import prometheus_client  # noqa: F401  lazy: the serve extra
+        import uvicorn  # noqa: F401  lazy: the serve extra
     except ImportError as e:
         raise ConfigError(f"serving needs the serve extra ({e.name} is missing): pip install -e '.[serve]'") from None
     try:
@@ -93,6 +93,7 @@ def prepare(argv: list[str]):
 
 
 def run(prepared) -> None:
+    from torchmeg.serving.engine import Engine  # lazy: prometheus_client (the serve extra, checked in prepare)
     a, cfg, layout, template, template_error = prepared
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     model, device = loaded.built.model, loaded.device
