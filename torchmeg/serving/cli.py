@@ -15,12 +15,9 @@ Needs the serve extra: pip install -e '.[serve]'.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import signal
 import sys
-import threading
 
 import torch
 import torch.distributed as dist
@@ -105,8 +102,9 @@ def run(prepared) -> None:
     a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
                                               budget, source)
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
-    engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_queue, a.prefill_tokens,
-                    channel=channel)
+    # (the queue is bounded by the API process, which sees every request first)
+    engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
+                    a.prefill_tokens, channel=channel)
     a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
@@ -117,51 +115,23 @@ def run(prepared) -> None:
             return box[0]
         follow(engine.runner, receive)
     else:
-        _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype)
+        _serve_http(a, cfg, layout, loaded, engine, dtype)
     loaded = engine = model = None
     runtime.end()
 
 
-def _serve_http(a, cfg, layout, loaded, engine, template, template_error, dtype) -> None:
-    import uvicorn  # lazy: the serve extra
-    from torchmeg.serving.api import Served, build_app  # lazy: imports fastapi
-    stopping = threading.Event()
-    failed: list[BaseException] = []
-
-    def loop():
-        try:
-            engine.serve(stopping)
-        except BaseException as e:  # noqa: BLE001 - under TP a failed step ends the server
-            failed.append(e)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        thread = threading.Thread(target=loop, name="torchmeg-engine", daemon=True)
-        thread.start()
-        kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
-        print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
+def _serve_http(a, cfg, layout, loaded, engine, dtype) -> None:
+    """The HTTP server in a process of its own (serving.frontend), this one runs the engine
+    (serving.relay)."""
+    from torchmeg.serving.frontend import FrontendSpec  # lazy: the serve extra
+    from torchmeg.serving.relay import serve
+    kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
+    header = (f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
               f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens "
               f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}"
-              f"{'; ' + a.len_note if a.len_note else ''}) | "
-              f"http://{a.host}:{a.port}/v1", file=sys.stderr, flush=True)
-        yield
-        stopping.set()
-        with engine.cond:
-            engine.cond.notify()
-        thread.join()
-
-    model_id = a.served_model_name or cfg.job.name
-    app = build_app(Served(engine, loaded.tokenizer, template, template_error, model_id, a.max_model_len), lifespan)
-    logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
-    # uvicorn drains on SIGTERM / SIGINT, then raises the signal again for the handler it found:
-    # ours lets the process end normally (exit 0) once the requests in flight are answered.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)
-    uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level="warning", access_log=False,
-                                  timeout_graceful_shutdown=a.drain_timeout)).run()
-    if failed:
-        raise failed[0]
+              f"{'; ' + a.len_note if a.len_note else ''}) | http://{a.host}:{a.port}/v1")
+    serve(engine, FrontendSpec(loaded.tokenizer, cfg, a.served_model_name or cfg.job.name, a.max_model_len,
+                               a.max_seqs, a.max_queue, a.host, a.port, a.drain_timeout, header))
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

@@ -77,9 +77,10 @@ class Engine:
         return self.runner.reserve()
 
     # ---- the engine's thread -----------------------------------------------------------------
-    def serve(self, stopping: threading.Event, heartbeat_s: float = 5.0) -> None:
+    def serve(self, stopping: threading.Event, heartbeat_s: float = 5.0, on_step=None) -> None:
         """Step while there is work; after `stopping` is set, finish what was admitted, then stop
-        (and tell the other ranks). Idle under TP: a heartbeat keeps their collectives in time."""
+        (and tell the other ranks). Idle under TP: a heartbeat keeps their collectives in time.
+        `on_step()` after each step (serving.relay sends the step's events in one message)."""
         while True:
             with self.cond:
                 if not self.scheduler.busy():
@@ -91,6 +92,8 @@ class Engine:
                             self.channel(Plan())
                         continue
             self.step()
+            if on_step is not None:
+                on_step()
         if self.channel is not None:
             self.channel(Plan(stop=True))
 

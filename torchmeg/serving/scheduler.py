@@ -45,6 +45,7 @@ class Job:
     logprobs: int = -1           # >= 0: each token's log-probability and the top this-many (-1: none)
     prompt_logprobs: bool = False  # the prompt's tokens' too (echo), with the same top count
     # the engine's
+    key: int = -1            # its number between the API process and the engine (serving.frontend)
     slot: int = -1
     prefilled: int = 0       # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)

@@ -1,0 +1,100 @@
+"""Rank 0's side of the pipe to the API process (serving.frontend): start it, submit and cancel the
+requests it sends, send back each step's events in one message, and end together.
+
+Lifecycle: SIGTERM (or Ctrl-C) to rank 0 is passed to the API process, which drains up to
+--drain-timeout and exits; then the engine cancels whatever is left and stops (the other TP ranks
+with it) and rank 0 exits 0. If the API process dies, rank 0 stops too; if the engine fails (a TP
+peer died), the API process is stopped and rank 0 exits non-zero; if rank 0 dies, the API process
+sees its pipe close and exits.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+
+from torchmeg.serving.frontend import FrontendSpec
+from torchmeg.serving.frontend import main as frontend_main
+
+
+def serve(engine, spec: FrontendSpec) -> None:
+    ctx = mp.get_context("spawn")  # (a fresh interpreter: no model, no CUDA context, no threads of ours)
+    ours, theirs = ctx.Pipe()
+    api = ctx.Process(target=frontend_main, args=(theirs, spec), name="torchmeg-api", daemon=True)
+    api.start()
+    theirs.close()
+    jobs, outbox, send_lock = {}, [], threading.Lock()
+    stopping, failed = threading.Event(), []
+
+    def on_event_for(key, job):
+        first = [True]
+
+        def on_event(text, ids, reason):
+            score = job.token_logprobs[-1] if ids and job.logprobs >= 0 and job.token_logprobs else None
+            prompt_scores = job.prompt_token_logprobs if first[0] and job.prompt_logprobs else None
+            outbox.append((key, text, list(ids), reason, score, prompt_scores, first[0]))
+            first[0] = False
+            if reason is not None:
+                jobs.pop(key, None)
+        return on_event
+
+    def flush(steps: int) -> None:
+        with engine.cond:
+            stats = dict(running=len(engine.running), waiting=len(engine.waiting),
+                         used=sum(j.cached for j in engine.running.values()))
+        events = outbox[:]
+        del outbox[:len(events)]
+        if events or steps:
+            with send_lock:
+                ours.send((steps, stats, events))
+
+    def requests():  # the API's requests, until its pipe closes
+        try:
+            while True:
+                kind, key, *rest = ours.recv()
+                if kind == "submit":
+                    job = rest[0]
+                    job.on_event = on_event_for(key, job)
+                    jobs[key] = job
+                    engine.submit(job)
+                elif key in jobs:
+                    engine.cancel(jobs[key])
+        except (EOFError, OSError):
+            pass
+        for job in list(jobs.values()):  # nobody is listening for them any more
+            engine.cancel(job)
+        stopping.set()
+        with engine.cond:
+            engine.cond.notify()
+
+    def run_engine():
+        try:
+            engine.serve(stopping, on_step=lambda: flush(1))
+        except BaseException as e:  # noqa: BLE001 - under TP a failed step ends the server
+            failed.append(e)
+            stopping.set()
+        finally:
+            try:
+                flush(0)  # (the failed step's error events)
+            except (OSError, ValueError):
+                pass
+            if failed:
+                api.kill()
+
+    reader = threading.Thread(target=requests, name="torchmeg-requests", daemon=True)
+    engine_thread = threading.Thread(target=run_engine, name="torchmeg-engine", daemon=True)
+    reader.start()
+    engine_thread.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # drain: the API process stops taking requests and finishes
+        signal.signal(sig, lambda *_: os.kill(api.pid, signal.SIGTERM) if api.is_alive() else None)
+    api.join()
+    ours.close()
+    stopping.set()
+    with engine.cond:
+        engine.cond.notify()
+    engine_thread.join()
+    if failed:
+        raise failed[0]
+    if api.exitcode not in (0, None):
+        raise SystemExit(f"the API server process exited {api.exitcode}")
