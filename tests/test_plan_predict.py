@@ -47,6 +47,29 @@ def test_fused_bytes_are_what_crosses_the_fused_group():
     assert fused == (n * d * 2 + n * d * 4) + (n * d * 4 + n * d * 2)
 
 
+def test_a_collectives_wait_is_not_memory_traffic():
+    """A functional all-gather of a 16 MiB bf16 shard over 8 ranks, its wait, then a multiply of the
+    gathered 128 MiB: the collective is counted once (its buffer, 7/8 of it on the wire), the wait
+    moves nothing, the multiply reads and writes the gathered tensor."""
+    import torch.distributed as dist  # lazy: this test's fake world only
+    import torch.distributed._functional_collectives as funcol
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchmeg.plan.fake_world import fake_world
+    fake_world(8, 0)
+    try:
+        with FakeTensorMode():
+            x = torch.randn(1024, 8192, dtype=torch.bfloat16)
+            with StepCost() as cost:
+                y = funcol.all_gather_single(x, 0, dist.group.WORLD) * 2
+        assert y.shape == (8192, 8192)
+        shard = 1024 * 8192 * 2
+        assert cost.comm_table() == {"0/all_gather": {"count": 1, "bytes": 8 * shard, "wire_bytes": 7 * shard,
+                                                      "ranks": 8}}
+        assert cost.op_names == ["aten.mul"] and [op[1] for op in cost.ops] == [2 * 8 * shard]
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_prediction_matches_published_runs_it_was_not_calibrated_on():
