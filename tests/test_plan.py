@@ -158,3 +158,27 @@ def test_plan_counts_expert_parallel_as_balanced_routing(tmp_path):
     assert set(plan["comm"]) == set(measured[0]["comm"])
     mean_act = sum(m["activation_bytes"] for m in measured) / 2
     assert abs(plan["activation_bytes"] - mean_act) <= 0.2 * mean_act
+
+
+@pytest.mark.slow
+def test_float8_under_tp_is_planned_as_a_gpu_runs_it(tmp_path):
+    """The dry run runs on CPU but plans the GPU's program: with tensorwise float8 under TP 2 + SP,
+    torchao's float8 styles cast each shard and all-gather float8 (what NCCL moves; gloo cannot, so a
+    CPU run all-gathers bf16). The debug model, batch 8 x 256 tokens x dim 256 (B L D): bf16 moves
+    18 gathers of B L D x 2 bytes (4 blocks x (attention, FFN) inputs + the head's, forward and
+    backward); float8 moves the 16 into Float8Linears at 1 byte, the head's 2 (not converted) at 2,
+    and reduces amaxes across TP (at least the input's, weight's and gradient's of each of the 28
+    Float8Linears: 4 blocks x wq wk wv wo w1 w2 w3)."""
+    common = ["--config", "recipes/debug_llama.toml", "--world", "2", "--parallelism.tensor_parallel_degree=2",
+              "--parallelism.sequence_parallel=true", "--training.mixed_precision=bf16", "--float8.recipe=tensorwise"]
+    comm = {}
+    for f8 in ("false", "true"):
+        p = _plan(common + [f"--float8.enable={f8}", "--json", str(tmp_path / f"{f8}.json")])
+        assert p.returncode == 0, p.stderr[-3000:]
+        comm[f8] = json.load(open(tmp_path / f"{f8}.json"))["ranks"][0]["comm"]
+    BLD = 8 * 256 * 256
+    assert comm["false"]["tp/all_gather"]["bytes"] == 18 * BLD * 2
+    assert comm["true"]["tp/all_gather"]["bytes"] == 16 * BLD * 1 + 2 * BLD * 2
+    assert comm["true"]["tp/all_gather"]["count"] == comm["false"]["tp/all_gather"]["count"] == 18
+    assert comm["true"]["tp/reduce_scatter"] == comm["false"]["tp/reduce_scatter"]  # (row-parallel outputs: bf16)
+    assert comm["true"]["tp/all_reduce"]["count"] - comm["false"]["tp/all_reduce"]["count"] >= 3 * 28

@@ -13,6 +13,8 @@ model into stages first; each stage then goes through this pass.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
@@ -32,6 +34,22 @@ from torchmeg.parallel.expert import apply_ep
 from torchmeg.parallel.pipeline import splits_backward
 from torchmeg.parallel.tensor import apply_tp, unmatched_patterns
 from torchmeg.parallel.recompute import apply_recompute
+
+
+_PROGRAM_FOR: str | None = None  # the device whose program parallelize() builds, where not the run's
+
+
+@contextlib.contextmanager
+def program_for(device: str):
+    """Build the program `device` would run, where a choice depends on it (torchmeg.plan's dry run on
+    CPU plans what a GPU runs: float8 TP casts the shard and all-gathers float8, which only NCCL
+    moves)."""
+    global _PROGRAM_FOR
+    before, _PROGRAM_FOR = _PROGRAM_FOR, device
+    try:
+        yield
+    finally:
+        _PROGRAM_FOR = before
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=None, blocks: str | None = None,
@@ -65,7 +83,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         report["float8_emulated"] = resolve_emulate(cfg.float8.emulate, device)
         # torchao's Float8 TP styles all-gather float8 tensors, a dtype NCCL moves and gloo
         # rejects ("Invalid scalar type"); elsewhere the plain styles shard the Float8Linears.
-        float8_tp = converted and cfg.float8.recipe == "tensorwise" and device == "cuda"
+        float8_tp = converted and cfg.float8.recipe == "tensorwise" and (_PROGRAM_FOR or device) == "cuda"
     if dims.tp > 1:
         if tp_plan is None and callable(getattr(model, "tp_plan", None)):
             tp_plan = model.tp_plan()

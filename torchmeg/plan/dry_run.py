@@ -37,7 +37,7 @@ from torchmeg.parallel.mxfp8 import MX_RECIPES
 from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
-from torchmeg.parallel.parallelize import reshard_after_forward
+from torchmeg.parallel.parallelize import program_for, reshard_after_forward
 from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, simulate, torch_actions
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
 from torchmeg.plan.pipeline_stage import measure_stage
@@ -165,7 +165,8 @@ def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
     mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
     labels = mesh_group_labels(mesh, *([ep_mesh] if ep_mesh is not None else []))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, None, schedule=False, storage=lambda: fake)
+    with program_for("cuda"):  # the GPU's program (float8 TP styles), built on CPU
+        built = build_parallel_model(cfg, layout, mesh, ep_mesh, device, None, schedule=False, storage=lambda: fake)
     with fake:
         model = built.model
         opt = build_optimizer(model, cfg)
