@@ -182,3 +182,24 @@ def test_float8_under_tp_is_planned_as_a_gpu_runs_it(tmp_path):
     assert comm["true"]["tp/all_gather"]["count"] == comm["false"]["tp/all_gather"]["count"] == 18
     assert comm["true"]["tp/reduce_scatter"] == comm["false"]["tp/reduce_scatter"]  # (row-parallel outputs: bf16)
     assert comm["true"]["tp/all_reduce"]["count"] - comm["false"]["tp/all_reduce"]["count"] >= 3 * 28
+
+
+@pytest.mark.slow
+def test_async_tp_plans_tp_traffic_under_the_matmuls(tmp_path):
+    """The same TP 2 + SP compiled plan with and without async TP: the same collectives and compute,
+    and with it the TP gathers' and reduce-scatters' exposed time is what async_tp_exposed gives
+    (the plan's own numbers), below the synchronous plan's."""
+    from torchmeg.plan.predict import async_tp_exposed
+    common = ["--config", "recipes/debug_llama.toml", "--world", "2", "--parallelism.tensor_parallel_degree=2",
+              "--parallelism.sequence_parallel=true", "--compile.enable=true", "--training.mixed_precision=bf16"]
+    plans = {}
+    for at in ("false", "true"):
+        p = _plan(common + [f"--parallelism.enable_async_tensor_parallel={at}", "--json", str(tmp_path / f"{at}.json")])
+        assert p.returncode == 0, p.stderr[-3000:]
+        plans[at] = json.load(open(tmp_path / f"{at}.json"))["ranks"][0]
+    sync, asy = plans["false"], plans["true"]
+    assert sync["comm"] == asy["comm"] and asy["async_tp"] and not sync["async_tp"]
+    keys = ("tp/all_gather", "tp/reduce_scatter")
+    t_tp = sum(sync["predicted_comm_exposed_by"][k] for k in keys)
+    got = sum(asy["predicted_comm_exposed_by"][k] for k in keys)
+    assert got == pytest.approx(async_tp_exposed(t_tp, asy["predicted_compute_s"]["matmul"], 2)) and got < t_tp

@@ -70,6 +70,25 @@ def test_a_collectives_wait_is_not_memory_traffic():
         dist.destroy_process_group()
 
 
+def test_async_tp_hides_tp_traffic_under_the_matmuls():
+    """TP all-gather 0.3 s + reduce-scatter 0.1 s, EP all-to-all 0.05 s, FSDP all-gather 0.5 s, compute
+    1.0 s, TP 8. Without async TP the TP and EP traffic is on the critical path: exposed 0.45 s, step
+    1.45 s (FSDP's 0.5 s hides under the 1.0 s of compute). With async TP and 0.25 s of matmuls the TP
+    traffic shows beyond them, 0.4 - 0.25 = 0.15 s (split 3:1 between its gather and reduce-scatter):
+    exposed 0.2 s, step 1.2 s; with 1.0 s of matmuls only the first of 8 steps shows, 0.4 / 8 = 0.05 s.
+    FSDP traffic longer than the compute shows its excess: 1.5 s over 1.0 s -> +0.5 s."""
+    from torchmeg.plan.predict import _step, async_tp_exposed
+    comm = {"tp/all_gather": 0.3, "tp/reduce_scatter": 0.1, "ep/all_to_all": 0.05, "dp_shard/all_gather": 0.5}
+    step, exposed, overlapped, shown = _step(1.0, comm, 0.0)
+    assert (step, exposed, overlapped) == pytest.approx((1.45, 0.45, 0.5)) and shown["dp_shard/all_gather"] == 0
+    step, exposed, _, shown = _step(1.0, comm, 0.0, (0.25, 8))
+    assert (step, exposed) == pytest.approx((1.2, 0.2))
+    assert (shown["tp/all_gather"], shown["tp/reduce_scatter"], shown["ep/all_to_all"]) == pytest.approx((0.1125, 0.0375, 0.05))
+    assert async_tp_exposed(0.4, 1.0, 8) == pytest.approx(0.05) and async_tp_exposed(0.0, 1.0, 8) == 0
+    step, _, _, shown = _step(1.0, dict(comm, **{"dp_shard/all_gather": 1.5}), 0.0)
+    assert step == pytest.approx(1.45 + 0.5) and shown["dp_shard/all_gather"] == pytest.approx(0.5)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_prediction_matches_published_runs_it_was_not_calibrated_on():

@@ -63,10 +63,10 @@ def render(p: dict) -> str:
                      f"{_g(r['need_bytes']):<7} {'yes' if r['fits'] else 'NO'}")
     for r in p["ranks"]:
         lines += ["", f"rank {r['rank']}: bytes per step by mesh dim / collective"
-                  f"   (count, buffer GiB, sent per rank GiB, seconds)"]
+                  f"   (count, buffer GiB, sent per rank GiB, seconds at peak, predicted exposed seconds)"]
         for key, c in r["comm"].items():
             lines.append(f"  {key:<28} {c['count']:>6} {_g(c['bytes']):>9} {_g(c['wire_bytes']):>9} "
-                         f"{r['comm_s'].get(key, 0.0):>8.4f}")
+                         f"{r['comm_s'].get(key, 0.0):>8.4f} {r['predicted_comm_exposed_by'].get(key, 0.0):>8.4f}")
         pipe = r["pipeline"]
         lines.append(f"  compute {r['compute_s']:.3f} s ({r['flops'] / 1e12:.1f} TFLOP measured; flop-bound "
                      f"{r['compute_flop_bound_s']:.3f} s, memory-bound {r['compute_memory_bound_s']:.3f} s), "

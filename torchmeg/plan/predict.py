@@ -14,7 +14,9 @@ group spans: NVLink when all its ranks sit in one node (ranks are numbered node 
 innermost), the network otherwise. FSDP's all-gathers / reduce-scatters and the context-parallel
 ring are overlapped with compute (prefetch, next hop posted before the current pair); what
 exceeds the compute time shows. Tensor-parallel and expert/all-to-all collectives, the pipeline's
-p2p and the small reductions are on the critical path.
+p2p and the small reductions are on the critical path; under async TP the TP gathers and
+reduce-scatters run inside the matmuls they feed (async_tp_exposed). Each collective's exposed
+seconds: `predicted_comm_exposed_by`.
 Pipeline: the bubble of the schedule's own action order (torchmeg.parallel.pipeline_order)
 stretches the per-rank busy time.
 Memory: the tracker's peak over the step plus the caching allocator's slack (fragmentation,
@@ -73,12 +75,37 @@ def _kind(dtype, float8: bool) -> str:
     return "fp8" if (float8 and dtype and "float8" in dtype) else ("fp32" if dtype == "float32" else "bf16")
 
 
-def _step(t_compute: float, comm: dict, bubble: float) -> tuple[float, float, float]:
-    """(step, exposed, overlapped): TP / EP / PP traffic on the critical path, FSDP's and the CP ring's
-    hidden under compute up to its length; the pipeline bubble stretches the busy time."""
+ASYNC_TP = ("tp/all_gather", "tp/reduce_scatter")
+
+
+def async_tp_exposed(t_comm: float, t_matmul: float, tp: int) -> float:
+    """Async TP (torch's micro-pipelined collective matmuls) splits each all-gather + matmul and
+    matmul + reduce-scatter into tp steps: every step's transfer runs under the previous step's
+    matmul, so what shows is the traffic beyond the matmuls that hide it, and at least one step of
+    it (the first chunk arrives before any matmul can start): max(t_comm - t_matmul, t_comm / tp)."""
+    return max(t_comm - t_matmul, t_comm / tp) if t_comm else 0.0
+
+
+def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple[float, int] | None = None
+          ) -> tuple[float, float, float, dict]:
+    """(step, exposed, overlapped, exposed seconds per collective): TP / EP / PP traffic on the
+    critical path (under async TP, `async_tp` = (matmul seconds, tp), the TP gathers and reduce-scatters
+    as async_tp_exposed says), FSDP's and the CP ring's hidden under compute up to its length (the
+    excess shows); the pipeline bubble stretches the busy time."""
+    shown = {k: t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED}
+    if async_tp is not None:
+        t_tp = sum(shown.get(k, 0.0) for k in ASYNC_TP)
+        left = async_tp_exposed(t_tp, *async_tp)
+        for k in ASYNC_TP:
+            if k in shown:
+                shown[k] *= left / t_tp
     overlapped = sum(t for k, t in comm.items() if k.split("/")[0] in OVERLAPPED)
-    exposed = sum(t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED)
-    return (t_compute + exposed) * (1 + bubble) + max(0.0, overlapped - t_compute), exposed, overlapped
+    excess = max(0.0, overlapped - t_compute)
+    for k, t in comm.items():
+        if k.split("/")[0] in OVERLAPPED:
+            shown[k] = excess * t / overlapped
+    exposed = sum(t for k, t in shown.items() if k.split("/")[0] not in OVERLAPPED)
+    return (t_compute + exposed) * (1 + bubble) + excess, exposed, overlapped, shown
 
 
 def comm_seconds(comm: dict, dims, gpu: GPU, efficiency: float = 1.0) -> dict[str, float]:
@@ -101,11 +128,13 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     t_compute, t_flop, t_mem = compute_seconds(rank["ops"], gpu, float8, compiled)
     comm = comm_seconds(rank["comm"], dims, gpu)
     bubble = (rank.get("pipeline") or {}).get("bubble", 0.0)
-    step, exposed, overlapped = _step(t_compute, comm, bubble)
+    async_tp = cfg.parallelism.enable_async_tensor_parallel and dims.tp > 1
+    step, exposed, overlapped, _ = _step(t_compute, comm, bubble, (t_flop, dims.tp) if async_tp else None)
     by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
     pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
     by_class = {k: t / END_TO_END for k, t in by_class.items()}
-    pred_step, pred_exposed, _ = _step(sum(by_class.values()), pred_comm, bubble)
+    pred_step, pred_exposed, _, shown = _step(sum(by_class.values()), pred_comm, bubble,
+                                              (by_class["matmul"], dims.tp) if async_tp else None)
     dtype = "bf16" if cfg.training.mixed_precision == "bf16" else "fp32"
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]
@@ -115,4 +144,5 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
             "comm_s": comm, "mfu": model_flops_per_rank / (step * peak) if step else 0.0,
             "predicted_step_s": pred_step, "predicted_compute_s": by_class, "predicted_comm_exposed_s": pred_exposed,
             "predicted_mfu": model_flops_per_rank / (pred_step * peak) if pred_step else 0.0, "compiled": compiled,
+            "predicted_comm_exposed_by": shown, "async_tp": async_tp,
             "peak_tensor_bytes": mem, "need_bytes": need, "fits": need <= gpu.hbm_bytes}
