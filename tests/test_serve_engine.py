@@ -79,14 +79,16 @@ def test_a_kv_cache_that_does_not_fit_fails_at_start_in_one_line():
         Engine(model, ByteTokenizer(), "cpu", max_seqs=1024, max_len=2 ** 36, max_queue=1).reserve()
 
 
-def test_engine_log_probs_are_the_models():
+@pytest.mark.parametrize("budget", [2048, 8])
+def test_engine_log_probs_are_the_models(budget):
     """A job asking for log-probs (top 3) and its prompt's (echo), among others that do not: the prompt
     tokens' log-probs = log_softmax of one forward over the prompt, each generated token's = that of the
     forward over everything before it (the raw logits, whatever the sampling), the top 3 sorted and led by
-    the token's own under greedy; max_tokens 0 scores the prompt and generates nothing."""
+    the token's own under greedy; max_tokens 0 scores the prompt and generates nothing. With a budget of
+    8 prompt tokens a step the 27-token prompt is scored chunk by chunk, each chunk over the ones before."""
     cfg = load_config("recipes/debug_llama.toml")
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
-    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=3, max_len=64, max_queue=8)
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=3, max_len=64, max_queue=8, prefill_tokens=budget)
     prompt = list(b"def parse(text):\n    return")
     jobs = [Job(prompt, 6, Sampling(), on_event=lambda *a: None, logprobs=3, prompt_logprobs=True),
             Job(prompt, 6, Sampling(temperature=1.0, seed=7), on_event=lambda *a: None, logprobs=0),
