@@ -6,8 +6,9 @@ Serves the recipe's trained model over HTTP with OpenAI's API (/v1/completions,
 /v1/chat/completions, streamed or not; /v1/models, /health, /metrics), batching concurrent
 requests continuously. The weights: the newest committed checkpoint of the recipe's run
 (--checkpoint.load_step=N, --checkpoint.folder=DIR as for torchmeg.generate), a torchmeg.convert
-folder (--checkpoint.folder), or Hugging Face weights for `hf` models. One process, or under
-torchrun tensor parallel over every launched process (rank 0 answers HTTP; the others follow).
+folder (--checkpoint.folder), or Hugging Face weights for `hf` models. This process runs the engine
+and starts the HTTP server in a process of its own; under torchrun, tensor parallel over every
+launched process (rank 0 runs the engine, the other ranks follow its steps).
 Listens on 127.0.0.1 unless --host says otherwise. SIGTERM: stops accepting, finishes the requests in
 flight for up to --drain-timeout seconds, then closes what is left (their slots freed), exits 0.
 Needs the serve extra: pip install -e '.[serve]'.
