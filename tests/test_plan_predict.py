@@ -13,7 +13,7 @@ from torchmeg.config.schema import load_config
 from torchmeg.plan.step_cost import StepCost
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-from plan_vs_published import BASE, RUNS  # noqa: E402
+from plan_vs_published import RUNS  # noqa: E402
 
 
 def _rms_norm_chain(x, w):
@@ -100,8 +100,8 @@ def test_prediction_matches_published_runs_it_was_not_calibrated_on():
     eager (fused memory-bound ops) and float8 faster than compile (fp8 matmuls counted as such)."""
     from torchmeg.plan.planner import plan  # lazy: imports the trainer's build (slow) only for this test
     got = {}
-    for name, gpu, world, extra, published in RUNS[:3]:
-        p = plan(load_config(os.path.join(ROOT, "recipes", "llama3_8b.toml"), BASE + extra), world, gpu, isolate=True)
+    for name, recipe, gpu, world, args, published in RUNS[:3]:
+        p = plan(load_config(os.path.join(ROOT, "recipes", recipe), args), world, gpu, isolate=True)
         ratio = p["predicted_tokens_per_s_per_gpu"] / published
         assert abs(ratio - 1) <= 0.15, (name, p["predicted_tokens_per_s_per_gpu"], published)
         assert p["predicted_tokens_per_s_per_gpu"] < p["tokens_per_s_per_gpu"], name
@@ -111,3 +111,27 @@ def test_prediction_matches_published_runs_it_was_not_calibrated_on():
     assert by(comp)["memory"] < 0.6 * by(eager)["memory"] and by(comp)["matmul"] == by(eager)["matmul"]
     # fp8 matmuls at H100's fp8 MAMF: the linear layers' time falls by more than a third
     assert by(f8)["matmul"] < 0.67 * by(comp)["matmul"]
+
+
+TP_ROWS = [r for r in RUNS if "TP 8" in r[0]]
+# Over-predicted: the model takes async TP's overlap as free; the micro-pipelined matmuls (each split
+# in tp pieces) cost something it does not model. Published speed-up 1.10x, predicted 1.21x.
+OVER = "torchtitan 8B FSDP 8 x TP 8, float8, async TP"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("row", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason="predicts 1.16x: "
+                                                                        "async TP's split matmuls not modelled"))
+                                 if r[0] == OVER else r for r in TP_ROWS], ids=[r[0] for r in TP_ROWS])
+def test_tp_rows_match_published_runs(row):
+    """torchtitan's async TP benchmark (8B on 64 H100 as FSDP 8 x TP 8, 70B on 256 H100 as FSDP 32 x TP 8;
+    compile, bf16 and float8 tensorwise, vanilla and async TP): each predicted within 15% of its published
+    tokens/s per GPU, with the one end-to-end factor measured on the Trainy row (none fitted here). One
+    row is a known miss (OVER, strict: it fails the day it enters the band)."""
+    from torchmeg.plan.planner import plan  # lazy: imports the trainer's build (slow) only for this test
+    name, recipe, gpu, world, args, published = row
+    p = plan(load_config(os.path.join(ROOT, "recipes", recipe), args), world, gpu, isolate=True)
+    ratio = p["predicted_tokens_per_s_per_gpu"] / published
+    assert abs(ratio - 1) <= 0.15, (name, round(ratio, 3))
+    assert p["predicted_tokens_per_s_per_gpu"] < p["tokens_per_s_per_gpu"], name
