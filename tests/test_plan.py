@@ -160,6 +160,19 @@ def test_plan_counts_expert_parallel_as_balanced_routing(tmp_path):
     assert abs(plan["activation_bytes"] - mean_act) <= 0.2 * mean_act
 
 
+def _tp2_plans(tmp_path, extra: list[str], switch: str) -> dict:
+    """The debug model planned at TP 2 + SP in bf16 with `switch` false and true -> {"false": rank 0's
+    plan, "true": ...}."""
+    common = ["--config", "recipes/debug_llama.toml", "--world", "2", "--parallelism.tensor_parallel_degree=2",
+              "--parallelism.sequence_parallel=true", "--training.mixed_precision=bf16"] + extra
+    plans = {}
+    for on in ("false", "true"):
+        p = _plan(common + [f"{switch}={on}", "--json", str(tmp_path / f"{on}.json")])
+        assert p.returncode == 0, p.stderr[-3000:]
+        plans[on] = json.load(open(tmp_path / f"{on}.json"))["ranks"][0]
+    return plans
+
+
 @pytest.mark.slow
 def test_float8_under_tp_is_planned_as_a_gpu_runs_it(tmp_path):
     """The dry run runs on CPU but plans the GPU's program: with tensorwise float8 under TP 2 + SP,
@@ -169,13 +182,8 @@ def test_float8_under_tp_is_planned_as_a_gpu_runs_it(tmp_path):
     backward); float8 moves the 16 into Float8Linears at 1 byte, the head's 2 (not converted) at 2,
     and reduces amaxes across TP (at least the input's, weight's and gradient's of each of the 28
     Float8Linears: 4 blocks x wq wk wv wo w1 w2 w3)."""
-    common = ["--config", "recipes/debug_llama.toml", "--world", "2", "--parallelism.tensor_parallel_degree=2",
-              "--parallelism.sequence_parallel=true", "--training.mixed_precision=bf16", "--float8.recipe=tensorwise"]
-    comm = {}
-    for f8 in ("false", "true"):
-        p = _plan(common + [f"--float8.enable={f8}", "--json", str(tmp_path / f"{f8}.json")])
-        assert p.returncode == 0, p.stderr[-3000:]
-        comm[f8] = json.load(open(tmp_path / f"{f8}.json"))["ranks"][0]["comm"]
+    plans = _tp2_plans(tmp_path, ["--float8.recipe=tensorwise"], "--float8.enable")
+    comm = {k: r["comm"] for k, r in plans.items()}
     BLD = 8 * 256 * 256
     assert comm["false"]["tp/all_gather"]["bytes"] == 18 * BLD * 2
     assert comm["true"]["tp/all_gather"]["bytes"] == 16 * BLD * 1 + 2 * BLD * 2
@@ -190,13 +198,7 @@ def test_async_tp_plans_tp_traffic_under_the_matmuls(tmp_path):
     and with it the TP gathers' and reduce-scatters' exposed time is what async_tp_exposed gives
     (the plan's own numbers), below the synchronous plan's."""
     from torchmeg.plan.predict import async_tp_exposed
-    common = ["--config", "recipes/debug_llama.toml", "--world", "2", "--parallelism.tensor_parallel_degree=2",
-              "--parallelism.sequence_parallel=true", "--compile.enable=true", "--training.mixed_precision=bf16"]
-    plans = {}
-    for at in ("false", "true"):
-        p = _plan(common + [f"--parallelism.enable_async_tensor_parallel={at}", "--json", str(tmp_path / f"{at}.json")])
-        assert p.returncode == 0, p.stderr[-3000:]
-        plans[at] = json.load(open(tmp_path / f"{at}.json"))["ranks"][0]
+    plans = _tp2_plans(tmp_path, ["--compile.enable=true"], "--parallelism.enable_async_tensor_parallel")
     sync, asy = plans["false"], plans["true"]
     assert sync["comm"] == asy["comm"] and asy["async_tp"] and not sync["async_tp"]
     keys = ("tp/all_gather", "tp/reduce_scatter")
