@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,7 +18,6 @@ from starlette.exceptions import HTTPException
 
 from torchmeg.inference.engine import Sampling
 from torchmeg.serving.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from torchmeg.serving.engine import Engine
 from torchmeg.serving.scheduler import Job, QueueFull
 
 _DISCONNECT_POLL_S = 0.5   # with no token for this long, ask whether the client is still there
@@ -28,43 +26,15 @@ _DISCONNECT_EVERY_S = 0.1  # and at least this often while tokens come
 
 @dataclass
 class Served:
-    """What the routes need: the engine, the tokenizer, the chat template (None: no chat), the
+    """What the routes need: the engine (its client in this process: serving.frontend, which calls
+    each job's on_event on this event loop), the tokenizer, the chat template (None: no chat), the
     model's id and context length."""
-    engine: Engine
+    engine: object
     tokenizer: object
     template: object | None
     template_error: str
     model_id: str
     max_len: int
-    _mailbox: "Mailbox | None" = None
-
-    def mailbox(self) -> "Mailbox":
-        if self._mailbox is None:
-            self._mailbox = Mailbox(asyncio.get_running_loop())
-        return self._mailbox
-
-
-class Mailbox:
-    """The engine's thread hands events to the requests' queues on the event loop: a step's events
-    for every request in one wake-up of the loop (one call_soon_threadsafe while a delivery is
-    pending, not one per token per request)."""
-
-    def __init__(self, loop):
-        self.loop, self.items, self.pending, self.lock = loop, [], False, threading.Lock()
-
-    def put(self, queue: asyncio.Queue, item) -> None:
-        with self.lock:
-            self.items.append((queue, item))
-            if self.pending:
-                return
-            self.pending = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            items, self.items, self.pending = self.items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
 
 
 class ApiError(Exception):
@@ -209,9 +179,9 @@ def _job(ids, max_tokens, body, index: int, stops, eos) -> Job:
 
 async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str, prefix: list[str],
                    prompt_tokens: int, chat: bool):
-    events, mailbox = asyncio.Queue(), s.mailbox()
+    events = asyncio.Queue()
     for i, job in enumerate(jobs):
-        job.on_event = lambda text, ids, reason, i=i: mailbox.put(events, (i, text, reason))
+        job.on_event = lambda text, ids, reason, i=i: events.put_nowait((i, text, reason))
     try:
         for job in jobs:
             s.engine.submit(job)

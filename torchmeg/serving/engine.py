@@ -64,14 +64,14 @@ class Engine:
             job.cancelled = True
             self.cond.notify()
 
-    def load(self) -> dict:
+    def stats(self) -> dict:
+        """Sequences running and waiting, KV cache positions in use."""
         with self.cond:
-            running, waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-            used = sum(j.cached for j in self.scheduler.running.values())
-        self.metrics.running.set(running)
-        self.metrics.waiting.set(waiting)
-        self.metrics.cache_usage.set(used / (self.max_seqs * self.max_len))
-        return dict(running=running, waiting=waiting, max_seqs=self.max_seqs)
+            return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                        used=sum(j.cached for j in self.scheduler.running.values()))
+
+    def load(self) -> dict:
+        return dict(self.metrics.set_load(**self.stats(), capacity=self.max_seqs * self.max_len), max_seqs=self.max_seqs)
 
     def reserve(self) -> int:
         return self.runner.reserve()

@@ -60,11 +60,7 @@ class EngineClient:
             self.conn.send(("cancel", job.key))
 
     def load(self) -> dict:
-        m, s = self.metrics, self.stats
-        m.running.set(s["running"])
-        m.waiting.set(s["waiting"])
-        m.cache_usage.set(s["used"] / (self.max_seqs * self.max_len))
-        return dict(running=s["running"], waiting=s["waiting"], max_seqs=self.max_seqs)
+        return dict(self.metrics.set_load(**self.stats, capacity=self.max_seqs * self.max_len), max_seqs=self.max_seqs)
 
     def _read(self) -> None:
         try:

@@ -35,6 +35,13 @@ class Metrics:
         self.e2e = Histogram("torchmeg_e2e_request_latency_seconds", "Submission to the last token", buckets=_E2E,
                              registry=r)
 
+    def set_load(self, running: int, waiting: int, used: int, capacity: int) -> dict:
+        """The gauges, from the engine's counts (`used` of `capacity` KV cache positions)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.cache_usage.set(used / capacity)
+        return dict(running=running, waiting=waiting)
+
     def token(self, job, now: float) -> None:
         (self.ttft.observe(now - job.arrived) if not job.last else self.itl.observe(now - job.last))
         job.last = now

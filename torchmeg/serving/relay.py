@@ -40,9 +40,7 @@ def serve(engine, spec: FrontendSpec) -> None:
         return on_event
 
     def flush(steps: int) -> None:
-        with engine.cond:
-            stats = dict(running=len(engine.running), waiting=len(engine.waiting),
-                         used=sum(j.cached for j in engine.running.values()))
+        stats = engine.stats()
         events = outbox[:]
         del outbox[:len(events)]
         if events or steps:

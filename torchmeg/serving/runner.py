@@ -53,21 +53,24 @@ class ModelRunner:
             for i, row in zip(packed, logits):
                 out[i] = row
         for i, (slot, start, chunk) in enumerate(plan.prefill):
-            if out[i] is not None:
-                continue
-            positions = self.cache.bind([slot], [start], len(chunk))
-            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            full = slot in plan.full or not self.last_only
-            logits = self.model(tokens, positions=positions, cache=self.cache, **({} if full else {"last_only": True}))
-            if slot in plan.full:
-                self.full[slot] = logits[0]
-            out[i] = logits[0, -1]
+            if out[i] is None:
+                out[i] = self._chunk(plan, slot, chunk, self.cache.bind([slot], [start], len(chunk)), self.cache)[0]
         rows = [o[None] for o in out]
         if plan.rows:
             positions = self.cache.bind(plan.rows, plan.starts, 1)
             tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
             rows.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
         return torch.cat(rows).float() if rows else torch.empty(0)
+
+    def _chunk(self, plan: Plan, slot: int, chunk: list[int], positions, cache) -> torch.Tensor:
+        """One prompt chunk alone over `cache` -> its last position's logits [1, V]; every position's
+        kept in `self.full` for a slot whose prompt is scored (echo)."""
+        tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
+        head = {"last_only": True} if self.last_only and slot not in plan.full else {}
+        logits = self.model(tokens, positions=positions, cache=cache, **head)
+        if slot in plan.full:
+            self.full[slot] = logits[0]
+        return logits[:, -1]
 
     def _forward_each(self, plan: Plan) -> torch.Tensor:
         """A model that keeps its own cache (transformers' attention, for `hf` models) cannot read the
@@ -79,13 +82,7 @@ class ModelRunner:
             if start == 0:
                 self.own[slot] = KVCache(1, self.max_len, device=self.device)
             cache = self.own[slot]
-            tokens = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            full = slot in plan.full or not self.last_only
-            logits = self.model(tokens, positions=cache.positions(len(chunk)), cache=cache,
-                                **({} if full else {"last_only": True}))
-            if slot in plan.full:
-                self.full[slot] = logits[0]
-            out.append(logits[:, -1])
+            out.append(self._chunk(plan, slot, chunk, cache.positions(len(chunk)), cache))
             cache.advance(len(chunk))
         decoded = []
         for i, (slot, token) in enumerate(zip(plan.rows, plan.tokens)):
@@ -100,23 +97,6 @@ class ModelRunner:
         out += [torch.zeros_like(real) if d is None else d for d in decoded]
         return torch.cat(out).float() if out else torch.empty(0)
 
-    def bytes_per_token(self) -> int:
-        """KV cache bytes one position of one slot takes (every layer, keys and values; this rank's
-        heads): measured by a one-token prefill into a cache of one position."""
-        if self.own_cache:
-            return 0
-        probe, self.cache = self.cache, SlotCache(1, 1, self.device)
-        try:
-            with torch.no_grad():
-                self.forward(Plan(prefill=[(0, 0, [self.filler])]))
-            return self._bytes()
-        finally:
-            self.cache = probe
-
-    def _bytes(self) -> int:
-        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
-        return sum(b.numel() * b.element_size() for b in bufs)
-
     def reserve(self) -> int:
         """Allocate the KV cache now (a one-token prefill into slot 0; every rank at once under TP):
         a cache that does not fit fails at start, not at the first request. -> its bytes."""
@@ -128,13 +108,14 @@ class ModelRunner:
                 raise
             raise ConfigError(f"--max-seqs {self.max_seqs} x --max-model-len {self.max_len}: the KV cache does not fit "
                               f"({str(e).splitlines()[0]}); lower either") from None
-        return self._bytes()
+        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
 
 def kv_bytes_per_token(model, device) -> int:
-    """KV cache bytes one position of one sequence takes on this rank (every layer; 0 for a model
-    that keeps its own cache): a one-token prefill into a cache of one position."""
-    return ModelRunner(model, device, 1, 1).bytes_per_token()
+    """KV cache bytes one position of one sequence takes on this rank (every layer, keys and values;
+    0 for a model that keeps its own cache): a cache of one slot of one position, reserved."""
+    return ModelRunner(model, device, 1, 1).reserve()
 
 
 def follow(runner: ModelRunner, receive: Callable[[], Plan]) -> None:

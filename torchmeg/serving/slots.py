@@ -87,10 +87,11 @@ class SlotCache:
         if max(lengths) > self.max_len:
             raise ValueError(f"slot cache of {self.max_len} positions is full ({max(lengths)} needed)")
         dev, T = self.device, sum(lengths)
-        ends = torch.tensor(lengths, device=dev).cumsum(0)
-        self.spans = list(zip((ends - torch.tensor(lengths, device=dev)).tolist(), ends.tolist()))
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
-        positions = torch.arange(T, device=dev) - (ends - torch.tensor(lengths, device=dev))[doc]
+        lens = torch.tensor(lengths, device=dev)
+        starts = lens.cumsum(0) - lens
+        self.spans = list(zip(starts.tolist(), (starts + lens).tolist()))
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lens)
+        positions = torch.arange(T, device=dev) - starts[doc]
         self.rows = torch.tensor(slots, dtype=torch.long, device=dev)[doc][None]
         self.per_row = self._decode = False
         self.write_at, self.n, self.read_len = positions[None], T, T
