@@ -31,11 +31,13 @@ PACKAGE_DEPS = {
     "parallel": {"config", "models", "kernels"},   # parallelize() and the compiler-side transforms
     "checkpoint": {"config", "models", "data", "runtime"},  # (data: a converted model's tokenizer)
     "observe": {"config", "models", "kernels", "parallel", "runtime"},
-    "train": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe"},
-    "inference": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
+    "batching": {"config", "models"},              # generation: sampling, the continuous-batching engine
+    "train": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "batching"},
+    "inference": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train",
+                  "batching"},
     "plan": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train"},
     "serving": {"config", "models", "kernels", "data", "runtime", "parallel", "checkpoint", "observe", "train",
-                "inference"},                      # the HTTP server over inference's sampling and loading
+                "inference", "batching"},                      # the HTTP server over inference's sampling and loading
 }
 # Within config: errors and the Layout record import nothing of torchmeg; the schema only errors.
 ALLOWED = {

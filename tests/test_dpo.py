@@ -174,6 +174,11 @@ def test_a_reference_checkpoint_changes_the_loss_as_trls_ref_model(tmp_path):
     got = read_metrics(tmp_path, "x")[0]
     assert_close(got["loss"], want, 1e-5, "step-1 loss vs TRL with ref_model")  # fp32 log-probs of 64-token rows
     assert abs(got["dpo_margin"] - metrics["rewards/margins"]) <= REWARD_ABS and abs(got["dpo_margin"]) > 10 * REWARD_ABS
+    # FSDP2 (weights swapped in and out of sharded parameters): the same loss, margins and grad norm
+    run_cli(base + [f"--checkpoint.initial_load_path={start}", f"--dpo.reference_path={ref}",
+                    "--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=2"], tmp_path, nproc=2,
+            name="x2")
+    assert_parity(read_metrics(tmp_path, "x"), read_metrics(tmp_path, "x2"), keys=("loss", "grad_norm", "dpo_margin"))
     p = run_cli(base + [f"--checkpoint.initial_load_path={start}", f"--dpo.reference_path={src / 'step-00000002'}",
                         "--training.steps=2"], tmp_path, name="x", check=False)
     errors = [x for x in p.stderr.splitlines() if x.strip()]

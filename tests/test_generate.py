@@ -15,7 +15,7 @@ import torch
 
 from conftest import FP32_PARITY, ROOT, TINY, _launch_ranks, assert_close, assert_tensor_close, read_metrics, rel_diff, run_cli
 from torchmeg.config.schema import load_config
-from torchmeg.inference.engine import Sampling, decode_one, generate, sample
+from torchmeg.batching.generation import Sampling, decode_one, generate, sample
 from torchmeg.models import build_model, materialize
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Parser:\n    def __init__(self, text"]

@@ -150,7 +150,7 @@ def test_32_concurrent_requests_get_the_tokens_they_get_alone(server):
     """32 requests of different prompt lengths, lengths to generate and sampling (greedy, seeded),
     first one at a time, then all at once: each gets the same text; and at once they were decoded
     together (far fewer engine steps than tokens)."""
-    source = open(os.path.join(ROOT, "torchmeg", "serving", "scheduler.py")).read()
+    source = open(os.path.join(ROOT, "torchmeg", "batching", "scheduler.py")).read()
     reqs = [dict(prompt=source[37 * i: 37 * i + 5 + 11 * i], max_tokens=4 + (7 * i) % 29,
                  **(dict(temperature=0.8, seed=i, top_p=0.95) if i % 2 else {})) for i in range(32)]
 

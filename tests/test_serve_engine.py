@@ -1,4 +1,4 @@
-"""The serving engine in process (torchmeg.serving.scheduler, no HTTP): every family, sequences joining
+"""The serving engine in process (torchmeg.batching.scheduler, no HTTP): every family, sequences joining
 and leaving the continuous batch, each gets the tokens `generate` gives it alone; the KV cache is
 allocated at start; log-probs and penalties are the model's and OpenAI's. The HTTP server against
 the `openai` client: tests/test_serve.py.
@@ -9,11 +9,11 @@ import torch
 from conftest import FP32_PARITY, assert_tensor_close
 from torchmeg.config.schema import load_config
 from torchmeg.data.tokenizer import ByteTokenizer
-from torchmeg.inference.engine import Sampling, generate
+from torchmeg.batching.generation import Sampling, generate
 from torchmeg.models import build_model, materialize
 from torchmeg.models.args import model_args
-from torchmeg.serving.engine import Engine
-from torchmeg.serving.scheduler import Job
+from torchmeg.batching.engine import Engine
+from torchmeg.batching.scheduler import Job
 
 
 @pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("gpt2", torch.float32), ("moe", torch.float32),

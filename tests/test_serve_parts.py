@@ -15,15 +15,15 @@ from conftest import byte_level_bpe
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
 from torchmeg.data.tokenizer import ByteTokenizer, HFTokenizer
-from torchmeg.inference.engine import Sampling, generate
+from torchmeg.batching.generation import Sampling, generate
 from torchmeg.models import build_model, materialize
 from torchmeg.models.args import model_args
-from torchmeg.serving import slots
-from torchmeg.serving.engine import Engine
+from torchmeg.batching import slots
+from torchmeg.batching.engine import Engine
 from torchmeg.serving.kv_budget import slot_length
-from torchmeg.serving.output import CONTEXT, Detokenizer
-from torchmeg.serving.runner import kv_bytes_per_token
-from torchmeg.serving.scheduler import Job
+from torchmeg.batching.output import CONTEXT, Detokenizer
+from torchmeg.batching.runner import kv_bytes_per_token
+from torchmeg.batching.scheduler import Job
 
 
 def _model(name="llama"):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Decode speed of torchmeg.inference.engine, side by side in one process: recompute (the whole sequence
+"""Decode speed of torchmeg.batching.generation, side by side in one process: recompute (the whole sequence
 per new token), KV cache (eager), KV cache with the decode step compiled (static cache).
 
     python tools/generate_bench.py [--config recipes/debug_llama.toml] [--new-tokens 256]
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
 
     from torchmeg.parallel.compile import setup
     from torchmeg.config.schema import load_config
-    from torchmeg.inference.engine import Sampling, decode_one, generate
+    from torchmeg.batching.generation import Sampling, decode_one, generate
     from torchmeg.models import build_model, materialize
     cfg = load_config(a.config, rest)
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=cfg.job.seed).eval()

@@ -147,11 +147,11 @@ def engine_runner(args, rest):
     """--engine: the same requests through torchmeg's serving engine in this process, no HTTP (the
     engine's own scaling, apart from the server's): each of `concurrency` clients submits its next
     request when its last one ends. -> (model id, token ids of the text, run(bodies, c) -> row)."""
-    from torchmeg.inference.engine import Sampling  # lazy: --engine only (torch, the model)
+    from torchmeg.batching.generation import Sampling  # lazy: --engine only (torch, the model)
     from torchmeg.inference.trained import load_trained
     from torchmeg.serving import cli
-    from torchmeg.serving.engine import Engine
-    from torchmeg.serving.scheduler import Job
+    from torchmeg.batching.engine import Engine
+    from torchmeg.batching.scheduler import Job
     a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest)
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     max_len = a.max_model_len or a.limit

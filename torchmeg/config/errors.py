@@ -18,3 +18,8 @@ class StoreError(ValueError):
 
 class LossSpikeError(RuntimeError):
     """training.on_loss_spike = "stop" met a spike."""
+
+
+class InputError(ValueError):
+    """Bad input that one rank meets on its own during a run (a user's reward function on that rank's
+    completions): that rank prints the line and the job exits 2; its peers stop as after any failure."""

@@ -26,7 +26,7 @@ else:  # pragma: no cover
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.sections import (  # the sections' dataclasses (keys, types, defaults, help)
     Job, Model, Data, Training, Optimizer, LRScheduler, Parallelism, ActivationCheckpoint,
-    Compile, Float8, Checkpoint, Validation, Metrics, Profiling, Comm, Plan, Dpo, Lora)
+    Compile, Float8, Checkpoint, Validation, Metrics, Profiling, Comm, Plan, Dpo, Grpo, Lora)
 
 __all__ = ["Config", "ConfigError", "coerce", "load_config", "split_overrides"]
 
@@ -50,6 +50,7 @@ class Config:
     plan: Plan = field(default_factory=Plan)
     comm: Comm = field(default_factory=Comm)
     dpo: Dpo = field(default_factory=Dpo)
+    grpo: Grpo = field(default_factory=Grpo)
     lora: Lora = field(default_factory=Lora)
 
     # Where the recipe came from (for relative paths and messages); not a recipe key.

@@ -57,11 +57,13 @@ class Data:
 
 @dataclass
 class Training:
-    objective: str = _f("pretrain", choices=["pretrain", "sft", "dpo"],
+    objective: str = _f("pretrain", choices=["pretrain", "sft", "dpo", "grpo"],
                         help="pretrain: next-token loss over every token; sft: chat data (data.dataset = .jsonl / "
                              ".parquet conversations or python_stdlib_chat), loss on the assistant tokens only, "
                              "averaged over the whole global batch's targets; dpo: preference pairs (prompt, "
-                             "chosen, rejected; or python_stdlib_pairs) against the starting weights")
+                             "chosen, rejected; or python_stdlib_pairs) against the starting weights; grpo: online RL, prompts "
+                             "(prompt or messages; or python_stdlib_names) answered by the model itself, scored by "
+                             "[grpo] reward_funcs")
     dpo_beta: float = _f(0.1, lo=0.0, help="dpo: the KL weight beta")
     dpo_loss_type: str = _f("sigmoid", help="dpo: TRL's loss_type: sigmoid, ipo, hinge, robust, apo_zero, apo_down, "
                                            "bco_pair, nca_pair, sppo_hard, exo_pair, sigmoid_norm, or several joined "
@@ -247,6 +249,36 @@ class Dpo:
     loss_weights: list = _f([], help="dpo: a weight per training.dpo_loss_type term (TRL's loss_weights); [] = all 1")
     label_smoothing: float = _f(0.0, lo=0.0, hi=0.5, help="dpo: the share of flipped preferences assumed (robust, "
                                                           "exo_pair: TRL's label_smoothing)")
+
+
+@dataclass
+class Grpo:
+    num_generations: int = _f(8, lo=2, help="completions per prompt (the group); training.global_batch_size counts "
+                                            "completions, a multiple of it")
+    max_prompt_length: int = _f(256, lo=1, help="a longer prompt is refused, naming its record")
+    max_completion_length: int = _f(256, lo=1, help="tokens generated at most per completion")
+    temperature: float = _f(1.0, lo=0.0, help="sampling temperature of the rollouts (and of the log-probs trained)")
+    top_p: float = _f(1.0, lo=0.0, hi=1.0, help="nucleus sampling of the rollouts; 1 = off")
+    top_k: int = _f(0, lo=0, help="top-k sampling of the rollouts; 0 = off")
+    reward_funcs: list = _f([], help="'module:function' each, called as TRL calls them: f(prompts=, completions=, "
+                                     "completion_ids=, <other columns>=, **kw) -> a float (or None) per completion")
+    reward_weights: list = _f([], help="a weight per reward function; [] = all 1")
+    scale_rewards: str = _f("group", choices=["group", "batch", "none"],
+                            help="advantages divided by the group's reward std, the batch's, or not at all (Dr. GRPO)")
+    loss_type: str = _f("dapo", choices=["grpo", "dr_grpo", "dapo", "bnpo"],
+                        help="token normalization: grpo per sequence; dr_grpo by rows x max_completion_length; dapo "
+                             "by the global batch's completion tokens (TRL's default); bnpo by each microbatch's")
+    beta: float = _f(0.0, lo=0.0, help="KL weight to the reference (the starting weights); 0 = no reference kept")
+    epsilon: float = _f(0.2, lo=0.0, help="clip range below 1 of the ratio")
+    epsilon_high: float = _f(-1.0, help="clip range above 1 (DAPO: 0.28); -1 = epsilon")
+    num_iterations: int = _f(1, lo=1, help="optimizer steps per batch of rollouts (PPO epochs, TRL's mu)")
+    mask_truncated_completions: bool = _f(False, help="completions cut at max_completion_length get no loss (DAPO)")
+    importance_sampling: str = _f("none", choices=["none", "token_truncate", "token_mask", "sequence_truncate",
+                                                   "sequence_mask"],
+                                  help="truncated importance sampling: the engine's vs the trainer's log-probs")
+    importance_sampling_cap: float = _f(3.0, lo=1.0, help="the ratio's upper bound (truncated, or masked beyond)")
+    log_completions: bool = _f(False, help="rank 0 writes every rollout (prompt, completion, rewards) to "
+                                           "<run>/completions.jsonl")
 
 
 @dataclass

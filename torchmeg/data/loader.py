@@ -11,6 +11,7 @@ from torchmeg.data.chat import ChatDataError, chat_template
 from torchmeg.data.chat_data import ChatDataset, ChatWindows, tokenize_conversations
 from torchmeg.data.dataset import StepSampler, TokenDataset
 from torchmeg.data.pairs import PairDataset, Pairs
+from torchmeg.data.prompts import PromptSet
 from torchmeg.data.sources import BUILTIN, cache_dir, dataset_list, resolve, stdlib_prefix
 from torchmeg.data.store import exists, open_store
 from torchmeg.config.errors import ConfigError, StoreError
@@ -36,7 +37,19 @@ def open_chat(cfg, tokenizer):
         return tokenize_conversations(dataset_list(cfg), template, tokenizer, d.train_on_prompt, cache_dir(cfg))
 
 
+def open_prompts(cfg, tokenizer):
+    """training.objective = "grpo": the prompts (torchmeg.data.prompts), with the chat template when the
+    recipe names one (or the tokenizer folder has one) -> (PromptSet, template or None)."""
+    d, g = cfg.data, cfg.grpo
+    with _chat_data_errors():
+        template = chat_template(cfg) if d.chat_template or d.tokenizer != "byte" else None
+        return PromptSet(dataset_list(cfg), tokenizer, template, g.max_prompt_length, d.seq_len,
+                         g.max_completion_length, cfg.job.seed), template
+
+
 def open_stores(cfg, tokenizer) -> list:
+    if cfg.training.objective == "grpo":
+        return list(open_prompts(cfg, tokenizer))
     if cfg.training.objective == "sft":
         return [open_chat(cfg, tokenizer)]
     if cfg.training.objective == "dpo":
@@ -57,6 +70,10 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
     node's cache, once per node (local rank 0 calls this; the node's other ranks wait). -> one note
     per built-in corpus: where it is, built now (and in how long) or found."""
     notes = []
+    if cfg.training.objective == "grpo":
+        t0 = time.perf_counter()
+        prompts = open_prompts(cfg, tokenizer)[0]
+        return [f"{len(prompts):,} prompts read in {time.perf_counter() - t0:.1f} s"]
     if cfg.training.objective in ("sft", "dpo"):
         t0 = time.perf_counter()
         open_stores(cfg, tokenizer)  # chat data: tokenized into the cache once, here; pairs: checked
@@ -73,6 +90,8 @@ def prepare_stores(cfg, tokenizer) -> list[str]:
 
 def build_dataset(cfg, stores, split: str):
     d = cfg.data
+    if cfg.training.objective == "grpo":  # (the prompts; no held-out split: the rewards measure the run)
+        return stores[0] if split == "train" else None
     if cfg.training.objective == "dpo":
         with _chat_data_errors():
             return PairDataset(stores[0], d.seq_len, cfg.job.seed, split, d.val_fraction)

@@ -14,6 +14,7 @@ from torchmeg.config.errors import ConfigError, StoreError
 BUILTIN = ("python_stdlib",)
 BUILTIN_CHAT = "python_stdlib_chat"  # sft's built-in conversations (torchmeg.data.chat_data)
 BUILTIN_PAIRS = "python_stdlib_pairs"  # dpo's built-in preference pairs (torchmeg.data.pairs)
+BUILTIN_PROMPTS = "python_stdlib_names"  # grpo's built-in prompts (torchmeg.data.name_task)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -82,6 +83,15 @@ def check_data_config(cfg) -> None:
     if not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"data.dataset = {cfg.data.dataset!r}: give \"python_stdlib\", a .bin/.idx prefix, or a list of them")
     objective = cfg.training.objective
+    if objective == "grpo":
+        for n in names:
+            if n != BUILTIN_PROMPTS and not (n.endswith((".jsonl", ".json", ".parquet")) and os.path.isfile(n)):
+                raise ConfigError(f"data.dataset = {n!r}: training.objective = \"grpo\" reads prompts (.jsonl or "
+                                  f".parquet of {{\"prompt\": ...}} or {{\"messages\": [...]}}, other keys handed to the "
+                                  f"reward functions) or \"{BUILTIN_PROMPTS}\"; no such file")
+        if cfg.data.weights:
+            raise ConfigError("data.weights: grpo reads its prompt files in full; leave weights empty")
+        return
     if objective in ("sft", "dpo"):
         builtin, what = ((BUILTIN_CHAT, "chat files (.jsonl or .parquet of {\"messages\": [...]})") if objective == "sft"
                          else (BUILTIN_PAIRS, "preference pairs (.jsonl or .parquet of {\"prompt\", \"chosen\", "

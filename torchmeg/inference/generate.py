@@ -30,7 +30,7 @@ from torchmeg.config.schema import load_config
 from torchmeg.data.chat import chat_template
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
-from torchmeg.inference.engine import Sampling, decode_one, generate
+from torchmeg.batching.generation import Sampling, decode_one, generate
 from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.train.validate import validate

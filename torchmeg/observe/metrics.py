@@ -139,6 +139,8 @@ def format_line(r: dict) -> str:
         s += f" | dropped {100 * r['moe_dropped']:.1f}%"
     if "mtp_loss" in r:
         s += f" | mtp_loss {r['mtp_loss']:.4f}"
+    if "reward" in r:
+        s += f" | reward {r['reward']:.3f} | len {r['completions/mean_length']:.0f} | rollout {r['rollout_s']:.1f} s"
     if "dpo_margin" in r:
         s += f" | margin {r['dpo_margin']:.3f} | acc {r['dpo_accuracy']:.2f}"
     if "val_loss" in r:

@@ -21,10 +21,17 @@ def header_lines(tr) -> list[str]:
         name = f"{c.model.name}/{a.model_type} ({getattr(whole, 'hf_class', type(whole).__name__)} from {c.model.hf_config})"
     else:
         name = f"{c.model.name}/{c.model.flavor}"
-    src = tr.train_set.src
-    n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
     unit = "pairs" if layout.rows_per_sample == 2 else "seq"
-    if c.training.objective == "dpo":
+    if c.training.objective == "grpo":
+        g = c.grpo
+        data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer"
+                     + (f", chat template {tr.template.name}" if tr.template is not None else "")
+                     + f"): {len(tr.train_set):,} prompts, {layout.global_batch // g.num_generations} a step x "
+                     f"{g.num_generations} completions of up to {g.max_completion_length} tokens (temperature "
+                     f"{g.temperature:g}, top-p {g.top_p:g}) by the serving engine on the live weights; rewards "
+                     f"{', '.join(g.reward_funcs)}" + (f" x {list(g.reward_weights)}" if g.reward_weights else "")
+                     + f"; {tr.loader.note}")
+    elif c.training.objective == "dpo":
         data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {tr.train_set.describe()}; "
                      f"validation {'on' if c.validation.enable else 'off'}; {tr.dpo_note}")
     elif c.training.objective == "sft":
@@ -32,6 +39,8 @@ def header_lines(tr) -> list[str]:
                      f"{tr.train_set.template_name}): {tr.train_set.windows.describe()}; validation "
                      f"{'on' if c.validation.enable else 'off'}")
     else:
+        src = tr.train_set.src
+        n_tok = sum(len(p.w) for p in (src.sources if hasattr(src, "sources") else [src])) * c.data.seq_len
         data_line = (f"data       {c.data.dataset} ({tr.tokenizer.name} tokenizer): {n_tok / 1e6:.1f}M train tokens, "
                      f"{tr.train_set.n_unique:,} windows; validation {'on' if c.validation.enable else 'off'}")
     return [
@@ -91,6 +100,15 @@ def _loss_line(cfg, built, layout) -> str:
         ref = cfg.dpo.reference_path or "the starting weights"
         return (f"dpo ({terms}, beta {t.dpo_beta:g}): answer log-probs against those of {ref}; mean over the global "
                 f"batch's pairs" + ("; vocab-sharded logits (loss parallel)" if layout.loss_parallel else ""))
+    if cfg.training.objective == "grpo":
+        g = cfg.grpo
+        high = g.epsilon if g.epsilon_high < 0 else g.epsilon_high
+        return (f"grpo ({g.loss_type}): clipped ratio [1 - {g.epsilon:g}, 1 + {high:g}] x advantage (rewards - group "
+                f"mean" + ("" if g.scale_rewards == "none" else f", / {g.scale_rewards} std") + ")"
+                + (f" + {g.beta:g} x KL to the reference" if g.beta else "")
+                + (f"; truncated importance sampling ({g.importance_sampling}, cap {g.importance_sampling_cap:g})"
+                   if g.importance_sampling != "none" else "")
+                + f"; {g.num_iterations} optimizer step(s) per batch of rollouts")
     if cfg.training.objective == "sft":
         what = ("sft: cross-entropy over the " + ("tokens" if cfg.data.train_on_prompt else "assistant tokens")
                 + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")

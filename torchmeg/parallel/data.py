@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchmeg.models.blocks import blocks, extra_blocks
 from torchmeg.parallel.expert import is_expert_module
@@ -50,3 +50,17 @@ def apply_ddp(model: nn.Module, mesh, mixed_precision: str, blocks_path: str = "
     """Pure replication with gradient all-reduce: FSDP2 over a (dp_replicate, 1) mesh, i.e.
     parameters replicated on every rank and gradients averaged, composable with TP DTensors."""
     return apply_fsdp(model, mesh, mixed_precision, reshard_after_forward=False, blocks_path=blocks_path)
+
+
+def fsdp_modules(model: nn.Module) -> list:
+    """The modules fully_shard wrapped (none without FSDP)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Free every unsharded parameter FSDP holds — the root (reshard_after_forward False) keeps its own
+    after a forward, as every block does under fsdp_reshard_after_forward = false — so the next forward
+    gathers the sharded values as they are now: call it after writing into the parameters in place
+    between forwards (a reference model's weights swapped in and out)."""
+    for m in fsdp_modules(model):
+        m.reshard()

@@ -31,6 +31,7 @@ from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
+from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.layout import Layout
 from torchmeg.parallel.mxfp8 import MX_RECIPES
@@ -174,10 +175,14 @@ def _plan_rank(cfg, layout: Layout, pp_ranks: list[int]) -> list[dict]:
             return _plan_pipeline_ranks(cfg, layout, mesh, built, opt, labels, pp_ranks)
         L, B, vocab = layout.seq_len, layout.local_batch, layout.args.vocab_size
         R = B * layout.rows_per_sample  # dpo: a pair is two rows (and its pair number rides along)
-        pair_ids = (torch.zeros(B, dtype=torch.int64),) if layout.rows_per_sample == 2 else ()
-        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *pair_ids),
+        extra = (torch.zeros(B, dtype=torch.int64),) if layout.rows_per_sample == 2 else ()
+        if cfg.training.objective == "grpo":  # the training step over rollout rows (the rollouts' KV cache: not planned)
+            extra = (RolloutRows(torch.zeros(R), torch.zeros(R, L)),)
+        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *extra),
                                   layout.accum)
         loss = loss_function(cfg, built)
+        if isinstance(loss, GRPOLoss):
+            loss.token_scale = 1.0  # dapo: fake rollouts have no token count; one number either way
         if isinstance(loss, DPOLoss):
             loss.table = torch.zeros(1, 2, dtype=torch.float64)  # reference log-probs: values do not change the plan
         if isinstance(loss, GlobalTargetMean):

@@ -17,6 +17,7 @@ non-zero. No rank waits for the collective timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import statistics
@@ -28,7 +29,7 @@ import traceback
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _abort_process_group
 
-from torchmeg.config.errors import ConfigError
+from torchmeg.config.errors import ConfigError, InputError
 
 FAILED_KEY = "torchmeg/failed"
 EXIT_FAILED, EXIT_CONFIG, EXIT_HUNG = 1, 2, 3
@@ -141,6 +142,19 @@ class Watchdog:
                 self._times.append(time.monotonic() - self._t0)
             self._phase = None
 
+    @contextlib.contextmanager
+    def inside(self, phase: str):
+        """A phase within the current one (GRPO's rollouts within a step), with its own limit; the outer
+        phase resumes after it, its clock not counting the inner one's time."""
+        with self._lock:
+            outer, t0 = (self._phase, self._t0, self._limit), time.monotonic()
+            self._phase, self._t0, self._limit = phase, t0, self.limit_for(phase)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._phase, self._t0, self._limit = outer[0], outer[1] + (time.monotonic() - t0), outer[2]
+
     def _watch(self) -> None:
         while True:
             time.sleep(0.5)
@@ -209,6 +223,12 @@ def cli_main(prog: str, prepare, run, stops: tuple = ()) -> int:
         if rank == 0:
             print(f"{prog}: stopped: {e}", file=sys.stderr, flush=True)
         code = EXIT_FAILED
+    except InputError as e:  # met by this rank alone: it says why; peers report it as the cause they stop for
+        _record_failure(f"rank {rank}: {e}")
+        print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        if rank == 0:
+            time.sleep(2)  # rank 0 holds the store: peers meeting the same input record it before it goes
+        code = EXIT_CONFIG
     except BaseException as e:  # noqa: BLE001 - any failure on any rank ends the job now
         report_failure(e, rank)
         code = EXIT_FAILED

@@ -16,9 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from torchmeg.inference.engine import Sampling
+from torchmeg.batching.generation import Sampling
 from torchmeg.serving.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
-from torchmeg.serving.scheduler import Job, QueueFull
+from torchmeg.batching.scheduler import Job, QueueFull
 
 _DISCONNECT_POLL_S = 0.5   # with no token for this long, ask whether the client is still there
 _DISCONNECT_EVERY_S = 0.1  # and at least this often while tokens come

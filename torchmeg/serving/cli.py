@@ -32,7 +32,7 @@ from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.serving.kv_budget import budget_bytes, slot_length
-from torchmeg.serving.runner import follow, kv_bytes_per_token
+from torchmeg.batching.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
 
 PROG = "torchmeg.serve"
@@ -91,7 +91,7 @@ def prepare(argv: list[str]):
 
 
 def run(prepared) -> None:
-    from torchmeg.serving.engine import Engine  # lazy: prometheus_client (the serve extra, checked in prepare)
+    from torchmeg.batching.engine import Engine  # lazy: prometheus_client (the serve extra, checked in prepare)
     a, cfg, layout, template, template_error = prepared
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     model, device = loaded.built.model, loaded.device

@@ -22,8 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from torchmeg.serving.metrics import Metrics
-from torchmeg.serving.scheduler import Job, QueueFull
+from torchmeg.batching.metrics import Metrics
+from torchmeg.batching.scheduler import Job, QueueFull
 
 
 class EngineClient:

@@ -38,6 +38,7 @@ from torchmeg.parallel.context import shard_sequence
 from torchmeg.parallel.parallelize import describe_report, parallelize, reshard_after_forward
 from torchmeg.parallel.shards import local_block
 from torchmeg.train.dpo import DPOLoss, loss_terms
+from torchmeg.train.grpo_loss import GRPOLoss
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -81,6 +82,10 @@ def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
     sft = cfg.training.objective == "sft"
     if cfg.training.objective == "dpo":  # (the fused head is refused with dpo: it needs per-row log-probs)
         return DPOLoss(cfg.training.dpo_beta, loss_terms(cfg), cfg.dpo.label_smoothing)
+    if cfg.training.objective == "grpo":
+        g = cfg.grpo
+        return GRPOLoss(g.loss_type, g.beta, g.epsilon, g.epsilon_high, g.temperature, g.max_completion_length,
+                        g.importance_sampling, g.importance_sampling_cap)
     if built is not None and built.head is not None:
         module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
         mean_over = "sum" if sft else "positions" if cfg.data.mask_eod_loss else "targets"
@@ -197,7 +202,7 @@ class ModelStep:
     targets: GlobalTargetMean | None = None  # sft: the loss whose scale count_targets sets each step
     loss_group: object = None  # dp x cp: the ranks whose gradients are averaged (with `targets`)
     loss_calls: int = 1  # losses one step divides by: the schedule's microbatches under PP, else accum
-    pairs: DPOLoss | None = None  # dpo: the loss, told each microbatch's pair numbers (batch[2])
+    pairs: DPOLoss | GRPOLoss | None = None  # dpo / grpo: the loss, told each microbatch's batch[2] (pair numbers, rollout rows)
 
     @classmethod
     def of(cls, built: BuiltModel, layout: Layout, mesh, device, loss_fn: Callable = cross_entropy,
@@ -210,7 +215,7 @@ class ModelStep:
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
                    mesh["pp"].get_group(), getattr(layout.args, "mtp_depth", 0),
                    targets=loss_fn if sft else None, loss_group=loss_group,
-                   pairs=loss_fn if isinstance(loss_fn, DPOLoss) else None,
+                   pairs=loss_fn if isinstance(loss_fn, (DPOLoss, GRPOLoss)) else None,
                    loss_calls=layout.microbatches)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:

@@ -44,19 +44,21 @@ from torchmeg.train.router_stats import reduce_router_stats, router_modules
 from torchmeg.train.spike import SpikeGuard, batch_samples
 from torchmeg.train.state import TrainState
 from torchmeg.train.dpo import prepare_reference
+from torchmeg.train.grpo import GRPOBatches
 from torchmeg.train.validate import validate
 
 
 class Trainer:
     def __init__(self, cfg, layout: Layout | None = None):
         self.cfg = cfg
+        self.objective_stats = {}  # dpo / grpo: the step's rewards, margins, rollout metrics
         self.layout = layout if layout is not None else validate(cfg)
         self._start_runtime()
         self._build_data()
         self._build_model()
         self._build_optimizer()
         self._resume()
-        self.dpo_note = prepare_reference(self) if self.step_fn.pairs is not None else None  # dpo: step 0's log-probs
+        self.dpo_note = prepare_reference(self) if cfg.training.objective == "dpo" else None  # step 0's log-probs
         self._build_loader()
 
     # ---- set-up, in order ---------------------------------------------------------------------
@@ -83,6 +85,7 @@ class Trainer:
         if notes and (n_nodes > 1 or any(" built " in x for x in notes)):
             print(f"[data] node {node} ({socket.gethostname()}), local rank 0: {'; '.join(notes)}", flush=True)
         stores = open_stores(cfg, self.tokenizer)
+        self.template = stores[1] if cfg.training.objective == "grpo" else None
         self.train_set = build_dataset(cfg, stores, "train")
         self.val_set = build_dataset(cfg, stores, "val") if cfg.validation.enable else None
 
@@ -151,10 +154,13 @@ class Trainer:
 
     def _build_loader(self) -> None:
         cfg, layout = self.cfg, self.layout
+        self.logger = MetricsLogger(cfg, self.rank, resume_step=self.start_step)
+        if cfg.training.objective == "grpo":  # rollouts by the model itself, on the live weights
+            self.loader = GRPOBatches(self, self.train_set, self.template)
+            return
         self.loader = build_loader(self.train_set, layout.local_batch, self.dims.dp, self.dp_rank, layout.accum,
                                    self.start_step, cfg.training.steps, cfg.data.num_workers,
                                    self.state.sample_offset)
-        self.logger = MetricsLogger(cfg, self.rank, resume_step=self.start_step)
 
     # ---- one step -----------------------------------------------------------------------------
     def train_step(self, batches) -> tuple[float, float, bool]:
@@ -185,8 +191,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self._route_stats_and_balance()
-        if self.step_fn.pairs is not None:  # dpo: the step's rewards, margin, accuracy
-            self.router_stats.update(self.step_fn.pairs.step_metrics(self.loss_group))
+        if self.step_fn.pairs is not None:  # dpo: the step's rewards, margin, accuracy; grpo: clipping, KL, entropy
+            self.objective_stats = self.step_fn.pairs.step_metrics(self.loss_group)
         return loss_val, gn, stepped
 
     def _forward_backward(self, batches) -> torch.Tensor:
@@ -333,6 +339,8 @@ class Trainer:
         if self.state_bytes is not None:
             row["model_state_mib"] = self.state_bytes / 2 ** 20
         row.update(self.router_stats)
+        row.update(self.objective_stats)
+        row.update(getattr(self.loader, "window_metrics", dict)())  # grpo: the rollouts since the last log
         if val is not None:
             row["val_loss"] = val
         if not stepped:

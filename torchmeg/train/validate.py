@@ -29,6 +29,7 @@ from torchmeg.parallel import context, expert, pipeline
 from torchmeg.parallel.dims import ParallelDims
 from torchmeg.parallel.mxfp8 import MX_RECIPES
 from torchmeg.train.dpo import LOSS_TYPES, loss_terms
+from torchmeg.train.rewards import load_reward_funcs
 
 
 def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> Layout:
@@ -41,6 +42,11 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_recipe(cfg)
+    if cfg.training.objective == "grpo":
+        # The rollout engine decodes one token per row: the sequence is not sharded over TP, and its
+        # sampling reads whole logits (a TP run gathers them).
+        cfg.parallelism.sequence_parallel = cfg.parallelism.loss_parallel = False
+        cfg.training.loss_spike_factor = 0.0  # a policy loss hovers around 0: no scale to spike against
     spec = get_spec(cfg.model.name)
     vocab = _tokenizer_vocab(cfg, data)
     args = model_args(cfg, vocab)
@@ -69,6 +75,7 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     dims.check_tp(args, cfg)
     _check_dpo(cfg, dims)
     layout = _layout(cfg, world_size, dims, spec, args)
+    _check_grpo(cfg, layout, data)
     _check_mxfp8(cfg, layout)
     if data:
         check_data_config(cfg)
@@ -101,6 +108,35 @@ def _check_dpo(cfg, dims) -> None:
         if bad:
             raise ConfigError(f"{key} = {value} with training.objective = \"dpo\": not supported (a pair's rows are "
                               f"whole sequences scored by their summed log-probs); use TP, FSDP/HSDP/DDP or EP")
+
+
+def _check_grpo(cfg, layout: Layout, data: bool) -> None:
+    """What training.objective = "grpo" needs and does not take (yet), each refused naming the key."""
+    if cfg.training.objective != "grpo":
+        return
+    g, dims = cfg.grpo, layout.dims
+    for key, value, bad in (("parallelism.pipeline_parallel_degree", dims.pp, dims.pp > 1),
+                            ("parallelism.context_parallel_degree", dims.cp, dims.cp > 1),
+                            ("parallelism.expert_parallel_degree", dims.ep, dims.ep > 1),
+                            ("training.fused_linear_cross_entropy", True, cfg.training.fused_linear_cross_entropy),
+                            ("data.document_masking", True, cfg.data.document_masking),
+                            ("compile.enable", True, cfg.compile.enable),
+                            ("float8.enable", True, cfg.float8.enable),
+                            ("validation.enable", True, cfg.validation.enable)):
+        if bad:
+            raise ConfigError(f"{key} = {value} with training.objective = \"grpo\": not supported (the rollout engine "
+                              f"runs the training model one token per row; the rewards are the run's measure); use "
+                              f"FSDP/HSDP/DDP and TP, LoRA, recompute")
+    if layout.global_batch % g.num_generations:
+        raise ConfigError(f"training.global_batch_size = {layout.global_batch}: counts completions, a whole number of "
+                          f"groups of grpo.num_generations = {g.num_generations}")
+    if not (g.epsilon_high == -1.0 or g.epsilon_high >= 0):
+        raise ConfigError(f"grpo.epsilon_high = {g.epsilon_high}: >= 0, or -1 for grpo.epsilon")
+    if cfg.checkpoint.enable and cfg.checkpoint.interval % g.num_iterations:
+        raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: a multiple of grpo.num_iterations = "
+                          f"{g.num_iterations}, so a resume starts a fresh batch of rollouts")
+    if data:
+        load_reward_funcs(list(g.reward_funcs), list(g.reward_weights))
 
 
 def _check_mxfp8(cfg, layout: Layout) -> None:

@@ -65,7 +65,7 @@ class SlotCache:
         self.spans, self.n = None, n
         self.read_len = max(starts) + n
         self.lengths = [s + n for s in starts]
-        self.per_row = False  # (set by the first layer's attend: serving.slots.per_row_pays)
+        self.per_row = False  # (set by the first layer's attend: batching.slots.per_row_pays)
         self._decode = n == 1 and self.device.type == "cpu" and len(rows) > 1
         first = rows[0]
         # Slots side by side (the scheduler keeps them so) are read as a view; others gathered.

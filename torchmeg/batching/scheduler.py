@@ -9,10 +9,10 @@ chunk of it (chunked prefill: a 4,000-token prompt does not stall the running se
 than a step's budget). Every running sequence whose prompt is in the cache decodes one token in
 the same step.
 
-The plan is all the model runner (serving.runner) needs; under tensor parallel it is what rank 0
+The plan is all the model runner (batching.runner) needs; under tensor parallel it is what rank 0
 broadcasts. With one slot of max_len per sequence an admitted sequence always fits: there is no
 preemption (a paged cache would admit more sequences than fit at their longest and preempt when
-the pages run out; see serving.slots).
+the pages run out; see batching.slots).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from torchmeg.inference.engine import Sampling, row_streams
+from torchmeg.batching.generation import Sampling, row_streams
 
 
 class QueueFull(Exception):
@@ -44,20 +44,22 @@ class Job:
     frequency: float = 0.0
     logprobs: int = -1           # >= 0: each token's log-probability and the top this-many (-1: none)
     prompt_logprobs: bool = False  # the prompt's tokens' too (echo), with the same top count
+    processed_logprobs: bool = False  # log-probs of the logits / temperature (what is sampled from; RL rollouts)
     # the engine's
     key: int = -1            # its number between the API process and the engine (serving.frontend)
     slot: int = -1
     prefilled: int = 0       # prompt tokens in the cache
     tokens: list[int] = field(default_factory=list)
-    text: str = ""           # their text so far (serving.output) and how much of it was sent
+    text: str = ""           # their text so far (batching.output) and how much of it was sent
     sent: int = 0
-    stream: int = 0          # its random stream (inference.engine.row_streams)
+    stream: int = 0          # its random stream (batching.generation.row_streams)
     finish_reason: str | None = None
     token_logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(token, logprob)...])
     prompt_token_logprobs: list = field(default_factory=list)  # per prompt token after the first, alike
     arrived: float = 0.0     # monotonic seconds: submitted, last token (the metrics' latencies)
     last: float = 0.0
-    detok: object = None     # serving.output's incremental detokenizer
+    detok: object = None     # batching.output's incremental detokenizer
+    stop_token: tuple | None = None  # (the end-of-sequence token that ended it, its score when log-probs are asked)
 
     @property
     def cached(self) -> int:

@@ -2,15 +2,15 @@
 it when done. One direction of calls, one module each:
 
     API (serving.api) -> Engine.submit / cancel            (the server's threads, under `cond`)
-    Engine.step: Scheduler.schedule -> Plan               (serving.scheduler; under `cond`)
-                 ModelRunner.forward(plan) -> logits      (serving.runner, serving.slots)
-                 sample_rows / logprobs                   (serving.sampler)
-                 OutputProcessor.advance per sequence     (serving.output; outside `cond`)
+    Engine.step: Scheduler.schedule -> Plan               (batching.scheduler; under `cond`)
+                 ModelRunner.forward(plan) -> logits      (batching.runner, batching.slots)
+                 sample_rows / logprobs                   (batching.sampler)
+                 OutputProcessor.advance per sequence     (batching.output; outside `cond`)
 
 A request's tokens are a function of (its prompt, its sampling, its seed) only: the same random
-streams as torchmeg.inference.engine, so it gets the tokens `torchmeg.generate` gives it alone, at
+streams as torchmeg.batching.generation, so it gets the tokens `torchmeg.generate` gives it alone, at
 any concurrency. Under tensor parallel rank 0 decides each step and broadcasts the plan
-(`channel`); the other ranks run the same forwards (serving.runner.follow) and sample nothing.
+(`channel`); the other ranks run the same forwards (batching.runner.follow) and sample nothing.
 """
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ import time
 
 import torch
 
-from torchmeg.serving.metrics import Metrics
-from torchmeg.serving.output import OutputProcessor
-from torchmeg.serving.runner import ModelRunner
-from torchmeg.serving.sampler import prompt_logprobs, sample_rows, token_logprobs
-from torchmeg.serving.scheduler import Job, Plan, Scheduler
+from torchmeg.batching.metrics import Metrics
+from torchmeg.batching.output import OutputProcessor
+from torchmeg.batching.runner import ModelRunner
+from torchmeg.batching.sampler import prompt_logprobs, sample_rows, token_logprobs
+from torchmeg.batching.scheduler import Job, Plan, Scheduler
 
 log = logging.getLogger("torchmeg.serve")
 

@@ -1,14 +1,14 @@
 """A step's sampling: every row by its own request's parameters (penalties first), rows that share
 them in one call, and the log-probabilities the requests asked for. The random streams are
-torchmeg.inference.engine's (prompt tokens, sample index, step), so a request's tokens are those
+torchmeg.batching.generation's (prompt tokens, sample index, step), so a request's tokens are those
 `torchmeg.generate` gives it alone.
 """
 from __future__ import annotations
 
 import torch
 
-from torchmeg.inference.engine import Sampling, sample
-from torchmeg.serving.scheduler import Job
+from torchmeg.batching.generation import Sampling, sample
+from torchmeg.batching.scheduler import Job
 
 
 def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
@@ -35,13 +35,18 @@ def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
 
 def token_logprobs(logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:
     """Per row, (the sampled token's log-probability, the top k (token, log-probability) pairs) for
-    the jobs that asked (None for the others): the raw logits' log-softmax, one host read."""
+    the jobs that asked (None for the others): the logits' log-softmax (divided by the temperature
+    for a job with processed_logprobs), one host read."""
     want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
     out = [None] * len(jobs)
     if want:
         rows = torch.tensor(want, device=logits.device)
         chosen = torch.tensor([new[i] for i in want], device=logits.device)
-        for i, entry in zip(want, scores(logits[rows], chosen, max(jobs[i].logprobs for i in want))):
+        x = logits[rows].float()
+        temps = [jobs[i].sampling.temperature if jobs[i].processed_logprobs else 0.0 for i in want]
+        if any(temps):  # processed: of the distribution sampled from (temperature applied), as RL compares them
+            x = x / torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)[:, None]
+        for i, entry in zip(want, scores(x, chosen, max(jobs[i].logprobs for i in want))):
             out[i] = (entry[0], entry[1][:jobs[i].logprobs])
     return out
 

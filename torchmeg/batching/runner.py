@@ -1,6 +1,6 @@
-"""The model runner: runs a step's plan (serving.scheduler.Plan) on the model and its KV cache.
+"""The model runner: runs a step's plan (batching.scheduler.Plan) on the model and its KV cache.
 
-Prompts that start this step run packed in one forward (serving.slots.bind_packed: one row, each
+Prompts that start this step run packed in one forward (batching.slots.bind_packed: one row, each
 prompt attending to itself), the head on each prompt's last token only; the next chunk of a long
 prompt, or a prompt whose every position is scored (echo), runs alone over its slot; then every
 decoding sequence runs one token in one forward. Every tensor-parallel rank runs the same plan
@@ -15,8 +15,8 @@ import torch
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.kv_cache import KVCache
-from torchmeg.serving.scheduler import Plan
-from torchmeg.serving.slots import SlotCache
+from torchmeg.batching.scheduler import Plan
+from torchmeg.batching.slots import SlotCache
 
 
 class ModelRunner:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from torchmeg.serving.scheduler import Job
+from torchmeg.batching.scheduler import Job
 
 CONTEXT = 5  # prompt tokens decoded before the first new one (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 
@@ -49,6 +49,7 @@ class OutputProcessor:
         if self.metrics is not None:
             self.metrics.token(job, now)
         if token in job.eos_ids:
+            job.stop_token = (token, score)
             return self.finish(job, "stop")
         if score is not None:
             job.token_logprobs.append(score)  # (before on_event: the API reads it for this token)

@@ -1,0 +1,105 @@
+"""Prompts for online RL (training.objective = "grpo"): records -> token ids, the text the reward
+functions see, and every other column, handed to them as TRL hands them.
+
+A record is `{"prompt": "text"}` (used as it is, as TRL uses a standard prompt) or `{"messages": [...]}`
+(a conversation, rendered with the chat template and its generation prompt: TRL's conversational
+format), JSON lines or Parquet rows; or the built-in `python_stdlib_names`
+(torchmeg.data.name_task). Every other key of a record is a column: its value reaches the reward
+functions as a keyword (e.g. `answer`, `tests`).
+
+The order is a permutation per epoch, a function of (seed, epoch): step s of a run (num_iterations
+steps per batch of rollouts) takes the prompts at positions ((s - 1) // num_iterations) x
+prompts_per_step onwards in that stream, under every layout and after any resume.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torchmeg.data.chat import ChatDataError, ROLES, token_offsets
+from torchmeg.data.chat_data import read_json_records
+
+from torchmeg.data.sources import BUILTIN_PROMPTS
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    prompt: object               # what the reward functions get: the string, or the messages
+    columns: dict = field(default_factory=dict)
+    where: str = ""
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ChatDataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            raise ChatDataError(f"{where}: message {i} needs 'role' and a string 'content' (got {str(m)[:80]})")
+        if m["role"] not in ROLES:
+            raise ChatDataError(f"{where}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
+    if value[-1]["role"] == "assistant":
+        raise ChatDataError(f"{where}: the last message is the assistant's; a prompt ends where the model answers")
+    return value
+
+
+def records(path: str):
+    """Yield (where, record) of a prompt file, or of the built-in set."""
+    if path == BUILTIN_PROMPTS:
+        from torchmeg.data.name_task import name_prompts  # lazy: the built-in task reads the stdlib's modules
+        yield from ((f"{BUILTIN_PROMPTS}[{i}]", r) for i, r in enumerate(name_prompts()))
+        return
+    yield from read_json_records(path)
+
+
+class PromptSet:
+    """Every prompt of `paths`, tokenized; ChatDataError naming the record for anything wrong."""
+
+    def __init__(self, paths: list[str], tokenizer, template, max_prompt_length: int, seq_len: int,
+                 max_completion_length: int, seed: int):
+        self.items: list[Prompt] = []
+        self.seed = seed
+        for path in paths:
+            for where, record in records(path):
+                self.items.append(self._encode(record, where, tokenizer, template, max_prompt_length))
+        if not self.items:
+            raise ChatDataError(f"{', '.join(paths)}: no prompts (a record per line: {{\"prompt\": ...}} or "
+                                f"{{\"messages\": [...]}})")
+        longest = max(self.items, key=lambda p: len(p.ids))
+        if len(longest.ids) + max_completion_length > seq_len:
+            raise ChatDataError(f"{longest.where}: its prompt ({len(longest.ids)} tokens) + grpo.max_completion_length "
+                                f"{max_completion_length} exceed data.seq_len {seq_len} (a rollout's row); raise "
+                                f"data.seq_len or lower grpo.max_prompt_length / max_completion_length")
+
+    @staticmethod
+    def _encode(record, where: str, tokenizer, template, max_prompt_length: int) -> Prompt:
+        if not isinstance(record, dict):
+            raise ChatDataError(f"{where}: a prompt record is a JSON object with 'prompt' or 'messages'")
+        columns = {k: v for k, v in record.items() if k not in ("prompt", "messages")}
+        if "messages" in record or isinstance(record.get("prompt"), list):
+            messages = _messages(record.get("messages", record.get("prompt")), where)
+            if template is None:
+                raise ChatDataError(f"{where}: a conversational prompt needs a chat template (data.chat_template)")
+            text, shown = template.render(messages, add_generation_prompt=True), messages
+        elif isinstance(record.get("prompt"), str) and record["prompt"]:
+            text = shown = record["prompt"]
+        else:
+            raise ChatDataError(f"{where}: no prompt (a non-empty 'prompt' string or a 'messages' list)")
+        ids = [int(i) for i in token_offsets(tokenizer, text)[0]]
+        if not ids:
+            raise ChatDataError(f"{where}: the prompt is empty once tokenized")
+        if len(ids) > max_prompt_length:
+            raise ChatDataError(f"{where}: the prompt is {len(ids)} tokens, over grpo.max_prompt_length "
+                                f"{max_prompt_length}; raise it or drop the record")
+        return Prompt(ids, shown, columns, where)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def at(self, position: int) -> Prompt:
+        """The prompt at `position` of the endless stream: epoch position // n, in that epoch's order."""
+        n = len(self.items)
+        epoch, i = divmod(position, n)
+        order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return self.items[int(order[i])]

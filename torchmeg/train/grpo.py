@@ -1,0 +1,270 @@
+"""training.objective = "grpo": each step's microbatches are rollouts the model itself just wrote.
+
+`GRPOBatches` is the trainer's loader for GRPO. At the first microbatch of every num_iterations-th
+step it makes a batch of rollouts, in named parts:
+
+  prompts      the step's prompts (torchmeg.data.prompts: a function of (seed, step)), each repeated
+               num_generations times: global rows 0..R-1, group g = rows gG..gG+G-1
+  generate     this rank's rows (a contiguous share of the data-parallel group) by the serving engine
+               on the live weights (torchmeg.train.rollout)
+  score        the reward functions on this rank's rows (torchmeg.train.rewards); rewards, lengths and
+               truncation gathered over the data-parallel group: the advantages are computed over the
+               whole global batch (torchmeg.train.grpo_loss.advantages), every rank the same numbers
+  rows         prompt + completion per row, right-padded to data.seq_len; targets: the completion
+  old / ref    with num_iterations > 1 the log-probs before this batch's first update; with beta > 0
+               the reference's (the run's starting weights, swapped in for one forward per row)
+
+then hands out the same microbatches for num_iterations steps. Metrics as TRL names them: reward,
+reward_std, rewards/<function>/mean and /std, frac_reward_zero_std, completions/mean_length,
+/min_length, /max_length, /clipped_ratio; and the rollout's time and tokens per second, apart from
+the training step's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.batching.generation import Sampling
+from torchmeg.kernels.fused_ce import IGNORE
+from torchmeg.parallel.data import reshard_all
+from torchmeg.train import rollout
+from torchmeg.train.grpo_loss import RolloutRows, advantages, nanstd, token_logps
+from torchmeg.train.rewards import call_rewards, load_reward_funcs
+
+
+def stop_tokens(tokenizer, template) -> tuple[frozenset, tuple[str, ...]]:
+    """(end-of-sequence ids, stop strings): the tokenizer's end of text, and the chat template's end
+    of turn (one token: an id; several: a stop string, its tokens kept in the completion)."""
+    eos, stops = {tokenizer.eos_id}, ()
+    end = template.terminator() if template is not None else ""
+    if end:
+        ids = tokenizer.encode(end)
+        if len(ids) == 1:
+            eos.add(ids[0])
+        else:
+            stops = (end,)
+    return frozenset(i for i in eos if i is not None and i >= 0), stops
+
+
+class GRPOBatches:
+    def __init__(self, trainer, prompts, template):
+        cfg, g = trainer.cfg, trainer.cfg.grpo
+        self.t, self.cfg, self.g, self.prompts = trainer, cfg, g, prompts
+        self.funcs, weights = load_reward_funcs(list(g.reward_funcs), list(g.reward_weights))
+        self.weights = torch.tensor(weights, dtype=torch.float64)
+        self.eos_ids, self.stops = stop_tokens(trainer.tokenizer, template)
+        self.group = trainer.loss_group
+        self.share, self.shares = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.rows = trainer.layout.global_batch
+        self.per_rank = self.rows // self.shares
+        self.step = trainer.start_step
+        self.micro: list = []
+        self._served = 0
+        self.window: list[dict] = []  # the rollouts' metrics since the last logged step
+        self.reference = None  # the reference's parameters (beta > 0): set by keep_reference
+        self.log_path = os.path.join(cfg.run_dir, "completions.jsonl") if g.log_completions else None
+        self.note = keep_reference(trainer, self)  # (the header's line on the reference)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.micro or self._served == self.t.layout.accum:
+            self.step += 1
+            self._served = 0
+            if (self.step - 1) % self.g.num_iterations == 0 or not self.micro:
+                self._rollout()
+        batch = self.micro[self._served]
+        self._served += 1
+        return batch
+
+    # ---- one batch of rollouts ------------------------------------------------------------------
+    def _rollout(self) -> None:
+        g, t = self.g, self.t
+        k = (self.step - 1) // g.num_iterations  # this rollout's number: its prompts and its seed
+        n_prompts = self.rows // g.num_generations
+        step_prompts = [self.prompts.at(k * n_prompts + p) for p in range(n_prompts)]
+        mine = range(self.share * self.per_rank, (self.share + 1) * self.per_rank)
+        sampling = Sampling(g.temperature, g.top_k, g.top_p, seed=(self.cfg.job.seed * 1_000_003 + k) % (1 << 62))
+        with t.watchdog.inside(f"rollouts for step {self.step}"), rollout.gathered_weights(t.model):
+            outs, timing = rollout.generate(t.model, t.tokenizer, t.device,
+                                            [step_prompts[i // g.num_generations].ids for i in mine], list(mine),
+                                            sampling, g.max_completion_length, self.eos_ids, self.stops)
+        texts = [self._cut(o.text) for o in outs]
+        conversational = [isinstance(step_prompts[i // g.num_generations].prompt, list) for i in mine]
+        completions = [[{"role": "assistant", "content": x}] if c else x for x, c in zip(texts, conversational)]
+        columns: dict = {}
+        for i in mine:
+            for key, v in step_prompts[i // g.num_generations].columns.items():
+                columns.setdefault(key, []).append(v)
+        rewards = call_rewards(self.funcs, [step_prompts[i // g.num_generations].prompt for i in mine], completions,
+                               [o.completion for o in outs], columns, self.step)
+        local = torch.tensor([r + [len(o.completion), float(o.truncated)] for r, o in zip(rewards, outs)],
+                             dtype=torch.float64)
+        every = self._gather(local)  # [R, funcs + 2]
+        adv, summed, zero_std = advantages(every[:, :-2], self.weights, g.num_generations, g.scale_rewards)
+        self.micro = self._microbatches(step_prompts, outs, adv[mine.start:mine.stop], mine)
+        lengths, truncated = every[:, -2], every[:, -1].bool()
+        kept = torch.where(truncated, 0.0, lengths) if g.mask_truncated_completions else lengths
+        t.step_fn.loss_fn.token_scale = self.shares * t.layout.accum / max(float(kept.sum()), 1.0)
+        self._extra_logps()
+        self.window.append(self._metrics(every, summed, zero_std, lengths, truncated, timing))
+        if self.log_path is not None:
+            self._log(step_prompts, outs, every, adv)
+
+    def _cut(self, text: str) -> str:
+        for s in self.stops:
+            if s in text:
+                text = text[:text.index(s)]
+        return text
+
+    def _gather(self, local: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(local) for _ in range(self.shares)]
+        dist.all_gather(parts, local.to(self.t.device) if self.t.device.type == "cuda" else local, group=self.group)
+        return torch.cat([p.cpu() for p in parts])
+
+    def _microbatches(self, step_prompts, outs, adv, mine) -> list:
+        g, seq, L = self.g, self.cfg.data.seq_len, self.t.layout.local_batch
+        filler = max(self.t.tokenizer.eos_id, 0)
+        inputs = torch.full((len(outs), seq), filler, dtype=torch.long)
+        labels = torch.full((len(outs), seq), IGNORE, dtype=torch.long)
+        sampling = torch.zeros(len(outs), seq, dtype=torch.float32)
+        for r, (i, o) in enumerate(zip(mine, outs)):
+            prompt = step_prompts[i // g.num_generations].ids
+            row = prompt + o.completion
+            inputs[r, :min(len(row), seq)] = torch.tensor(row[:seq])
+            if g.mask_truncated_completions and o.truncated:
+                continue
+            at = len(prompt) - 1  # position predicting the completion's first token
+            labels[r, at:at + len(o.completion)] = torch.tensor(o.completion)
+            sampling[r, at:at + len(o.completion)] = torch.tensor(o.logps, dtype=torch.float32)
+        out = []
+        for m in range(self.t.layout.accum):
+            s = slice(m * L, (m + 1) * L)
+            out.append((inputs[s], labels[s], RolloutRows(adv[s].float().to(self.t.device),
+                                                          sampling[s].to(self.t.device))))
+        return out
+
+    @torch.no_grad()
+    def _extra_logps(self) -> None:
+        """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0)."""
+        ms, g = self.t.step_fn, self.g
+        if g.num_iterations > 1:
+            for b in self.micro:
+                b[2].old = self._logps(ms, b)
+        if g.beta != 0.0:
+            with swapped(self.t.model, self.reference):
+                for b in self.micro:
+                    b[2].ref = self._logps(ms, b)
+
+    def _logps(self, ms, batch) -> torch.Tensor:
+        was = ms.model.training
+        ms.model.eval()
+        logits = ms.model(ms.local(batch[0]))
+        ms.model.train(was)
+        return token_logps(logits, ms.local(batch[1]), self.g.temperature)
+
+    def window_metrics(self) -> dict:
+        """The rollouts' metrics over the steps since the last logged one (TRL logs its means over the
+        logging interval too): means, the lengths' min and max over the window; then a new window."""
+        w, self.window = self.window, []
+        if not w:
+            return {}
+        out = {k: sum(m[k] for m in w) / len(w) for k in w[0]}
+        out["completions/min_length"] = min(m["completions/min_length"] for m in w)
+        out["completions/max_length"] = max(m["completions/max_length"] for m in w)
+        out["rollout_tokens_per_sec"] = sum(m["rollout_tokens"] for m in w) / max(sum(m["rollout_s"] for m in w), 1e-9)
+        return out
+
+    def keep_reference(self, params: list[torch.Tensor]) -> None:
+        self.reference = params
+
+    def _metrics(self, every, rewards, zero_std, lengths, truncated, timing) -> dict:
+        secs = torch.tensor([timing["seconds"]], dtype=torch.float64)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=self.group)
+        m = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
+             "frac_reward_zero_std": zero_std.double().mean().item(),
+             "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
+             "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.double().mean().item(),
+             "rollout_s": secs.item(), "rollout_tokens": lengths.sum().item(),
+             "rollout_tokens_per_sec": lengths.sum().item() / max(secs.item(), 1e-9)}
+        for j, (name, _) in enumerate(self.funcs):
+            m[f"rewards/{name}/mean"] = torch.nanmean(every[:, j]).item()
+            m[f"rewards/{name}/std"] = nanstd(every[:, j]).item()
+        return m
+
+    def _log(self, step_prompts, outs, every, adv) -> None:
+        """Rank 0 appends every rollout of the step (all ranks' completions gathered as token ids)."""
+        width = self.g.max_completion_length + 1
+        local = torch.full((len(outs), width), -1, dtype=torch.long)
+        for r, o in enumerate(outs):
+            local[r, :len(o.completion)] = torch.tensor(o.completion)
+        ids = self._gather(local)
+        if dist.get_rank() != 0:
+            return
+        os.makedirs(os.path.dirname(self.log_path), exist_ok=True)
+        with open(self.log_path, "a", encoding="utf-8") as fh:
+            for i in range(self.rows):
+                p = step_prompts[i // self.g.num_generations]
+                tokens = [int(x) for x in ids[i] if x >= 0]
+                text = self._cut(self.t.tokenizer.decode([x for x in tokens if x not in self.eos_ids]))
+                fh.write(json.dumps({"step": self.step, "row": i, "prompt": p.prompt, "completion": text,
+                                     "completion_ids": tokens, "advantage": round(adv[i].item(), 6),
+                                     "rewards": {n: every[i, j].item() for j, (n, _) in enumerate(self.funcs)}}) + "\n")
+
+
+class swapped:
+    """The reference's values in the model's parameters for the block (copied in place: FSDP keeps
+    its own references to the sharded storage), the trained values back after. FSDP's unsharded copies
+    are freed on both sides: the root module keeps its own after a forward, which would otherwise carry
+    one set of values into the other's forward."""
+
+    def __init__(self, model, reference):
+        if reference is None:
+            raise ConfigError("grpo.beta > 0: the reference weights were not kept")
+        self.model, self.params, self.reference, self.saved = model, [], reference, None
+
+    def __enter__(self):
+        reshard_all(self.model)
+        # (listed after the reshard: while FSDP holds a module unsharded, its parameters are the
+        # unsharded tensors, whose storage the reshard frees)
+        self.params = list(self.model.parameters())
+        self.saved = [p.detach().clone() for p in self.params]
+        for p, r in zip(self.params, self.reference):
+            p.detach().copy_(r)
+
+    def __exit__(self, *exc):
+        reshard_all(self.model)
+        for p, s in zip(self.params, self.saved):
+            p.detach().copy_(s)
+        self.saved = None
+
+
+def keep_reference(trainer, batches: GRPOBatches) -> str:
+    """grpo.beta > 0: a copy of the reference's parameters (each rank its shards), the weights the run
+    starts from: taken at step 0, or read back from checkpoint.initial_load_path on a resume. -> the
+    header's note."""
+    cfg = trainer.cfg
+    if cfg.grpo.beta == 0.0:
+        return "no reference model (grpo.beta = 0)"
+    params = list(trainer.model.parameters())
+    if trainer.state.step == 0:
+        batches.keep_reference([p.detach().clone() for p in params])
+        return f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)"
+    where = cfg.checkpoint.initial_load_path
+    if not where:
+        raise ConfigError(f"grpo.beta = {cfg.grpo.beta}: resuming at step {trainer.state.step} needs the reference (the "
+                          f"weights the run started from), which only checkpoint.initial_load_path can give back; "
+                          f"set it to the checkpoint the run started from, or start the run anew")
+    from torchmeg.checkpoint.manager import load_model_from  # lazy: a resume with a reference only
+    trained = [p.detach().clone() for p in params]
+    source = load_model_from(trainer.model, where, "checkpoint.initial_load_path")
+    batches.keep_reference([p.detach().clone() for p in params])
+    with torch.no_grad():
+        for p, t in zip(params, trained):
+            p.copy_(t)
+    return f"reference: {source} (checkpoint.initial_load_path)"
