@@ -306,3 +306,13 @@ def test_lora_recompute_bf16_with_a_reference_and_iterations(tmp_path):
                                       "--training.steps=4"])
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all("kl" in m for m in metrics)
     assert metrics[-1]["kl"] > 0 and len(rolled) == 2 * 8
+
+
+def test_moe_router_load_counts_training_tokens_only(tmp_path):
+    """A MoE policy: the rollouts' routing is not training load (the load-balancing bias and the
+    logged tokens per expert count the step's training rows only: rows x seq_len x top_k x the one
+    MoE layer of moe/debug cut to TINY's 2 layers, the first dense)."""
+    metrics, _ = _run(tmp_path, ["--model.name=moe", "--model.flavor=debug", "--training.steps=2"])
+    rows, seq_len, top_k, moe_layers = 8, 352, 2, 1
+    for m in metrics:
+        assert sum(m["tokens_per_expert"]) == rows * seq_len * top_k * moe_layers, m["tokens_per_expert"]

@@ -112,6 +112,8 @@ class GRPOBatches:
         kept = torch.where(truncated, 0.0, lengths) if g.mask_truncated_completions else lengths
         t.step_fn.loss_fn.token_scale = self.shares * t.layout.accum / max(float(kept.sum()), 1.0)
         self._extra_logps()
+        for m in t.moe_layers:  # routing during the rollouts and the extra forwards is not training load
+            m.tokens_per_expert.zero_()
         self.window.append(self._metrics(every, summed, zero_std, lengths, truncated, timing))
         if self.log_path is not None:
             self._log(step_prompts, outs, every, adv)
