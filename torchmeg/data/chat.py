@@ -204,6 +204,14 @@ class ChatTemplate:
             self._terminator = after.split("\n", 1)[0].rstrip()
         return self._terminator
 
+    def end_of_turn(self, tokenizer) -> tuple[str, int | None]:
+        """(the terminator's text, its token id when it is one token, else None): generation stops at
+        that id (HF templates' '<|im_end|>', '<|eot_id|>'), or at the text as a stop string (the byte
+        tokenizer writes it in several tokens)."""
+        end = self.terminator()
+        ids = tokenizer.encode(end) if end else []
+        return end, ids[0] if len(ids) == 1 else None
+
     def render_marked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """(text, [start, end) spans of its {% generation %} blocks), as transformers tracks them."""
         blocks, spans = [], []

@@ -123,9 +123,7 @@ def prepare(argv: list[str]):
     if a.chat:  # a fine-tuned model: the template's prompt, stopped at its end-of-turn
         template = chat_template(cfg)
         texts = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
-        a.stop = template.terminator()
-        stop_ids = tok.encode(a.stop) if a.stop else []
-        a.stop_id = stop_ids[0] if len(stop_ids) == 1 else None  # one token (HF templates): decoding stops there
+        a.stop, a.stop_id = template.end_of_turn(tok)  # one token (HF templates): decoding stops there
     ids = [tok.encode(t) or [tok.eos_id] for t in texts]  # an empty prompt starts a new document
     check(a, ids, layout.args.max_seq_len)
     return a, cfg, layout, sampling, compile_decode, texts, ids

@@ -125,11 +125,10 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
         ids = s.tokenizer.encode(text) or [s.tokenizer.eos_id]
         max_tokens = body.max_completion_tokens or body.max_tokens or max(s.max_len - len(ids), 0)
         _fits(s, len(ids), max_tokens)
-        end = s.template.terminator()
-        end_ids = s.tokenizer.encode(end) if end else []
+        end, end_id = s.template.end_of_turn(s.tokenizer)
         eos = set() if body.ignore_eos else {s.tokenizer.eos_id}
-        if len(end_ids) == 1 and not body.ignore_eos:
-            eos.add(end_ids[0])  # the end of the turn is one token (HF templates): stop there
+        if end_id is not None and not body.ignore_eos:
+            eos.add(end_id)  # the end of the turn is one token (HF templates): stop there
         stops = body.stops() + ((end,) if end and not body.ignore_eos else ())
         jobs = [_job(ids, max_tokens, body, i, stops, frozenset(eos)) for i in range(body.n)]
         for job in jobs:

@@ -40,13 +40,11 @@ def stop_tokens(tokenizer, template) -> tuple[frozenset, tuple[str, ...]]:
     """(end-of-sequence ids, stop strings): the tokenizer's end of text, and the chat template's end
     of turn (one token: an id; several: a stop string, its tokens kept in the completion)."""
     eos, stops = {tokenizer.eos_id}, ()
-    end = template.terminator() if template is not None else ""
-    if end:
-        ids = tokenizer.encode(end)
-        if len(ids) == 1:
-            eos.add(ids[0])
-        else:
-            stops = (end,)
+    end, end_id = template.end_of_turn(tokenizer) if template is not None else ("", None)
+    if end_id is not None:
+        eos.add(end_id)
+    elif end:
+        stops = (end,)
     return frozenset(i for i in eos if i is not None and i >= 0), stops
 
 
