@@ -23,6 +23,7 @@ TrainState, nothing else of the run.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -322,6 +323,20 @@ def load_model_from(model, where: str, key: str) -> str:
         why = failed[1] if failed[0] == "load" else "non-finite values in the weights"
         raise CheckpointError(f"{key} = {where!r}: {path} cannot be loaded ({why})")
     return path
+
+
+@contextlib.contextmanager
+def weights_from(model, where: str, key: str):
+    """The weights of the checkpoint `where` names in `model` for the block (load_model_from), the
+    model's own values back after (in place, each rank its shards). -> yields the step folder."""
+    own = [t.detach().clone() for t in model.state_dict().values()]
+    path = load_model_from(model, where, key)
+    try:
+        yield path
+    finally:
+        with torch.no_grad():
+            for t, s in zip(model.state_dict().values(), own):
+                t.copy_(s)
 
 
 def load_model_weights(cfg, model, tokenizer: str = "", state=None) -> tuple[int, str] | None:

@@ -267,8 +267,8 @@ class ChatTemplate:
         return text, [self._turn_span(messages, i, text) for i in (assistants[-1:] if last_only else assistants)]
 
 
-def check_messages(messages, where: str) -> list[dict]:
-    """The record's messages, or ChatDataError naming `where` (file:line) and what is wrong."""
+def check_turns(messages, where: str) -> list[dict]:
+    """A non-empty list of {role, content: str} with known roles, or ChatDataError naming `where`."""
     if not isinstance(messages, list) or not messages:
         raise ChatDataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
     for i, m in enumerate(messages):
@@ -278,6 +278,14 @@ def check_messages(messages, where: str) -> list[dict]:
             raise ChatDataError(f"{where}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
         if not isinstance(m["content"], str):
             raise ChatDataError(f"{where}: message {i} content must be a string")
+    return messages
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """A training record's messages (check_turns, and something to train on), or ChatDataError naming
+    `where` (file:line) and what is wrong."""
+    check_turns(messages, where)
+    for i, m in enumerate(messages):
         if m["role"] == "assistant" and not m["content"].strip():
             raise ChatDataError(f"{where}: message {i} is an empty assistant turn (nothing to train on)")
     if not any(m["role"] == "assistant" for m in messages):

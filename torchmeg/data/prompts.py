@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchmeg.data.chat import ChatDataError, ROLES, token_offsets
+from torchmeg.data.chat import ChatDataError, check_turns, token_offsets
 from torchmeg.data.chat_data import read_json_records
 
 from torchmeg.data.sources import BUILTIN_PROMPTS
@@ -32,13 +32,7 @@ class Prompt:
 
 
 def _messages(value, where: str) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise ChatDataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            raise ChatDataError(f"{where}: message {i} needs 'role' and a string 'content' (got {str(m)[:80]})")
-        if m["role"] not in ROLES:
-            raise ChatDataError(f"{where}: message {i} has role {m['role']!r}; roles are {', '.join(ROLES)}")
+    check_turns(value, where)
     if value[-1]["role"] == "assistant":
         raise ChatDataError(f"{where}: the last message is the assistant's; a prompt ends where the model answers")
     return value
@@ -60,6 +54,7 @@ class PromptSet:
                  max_completion_length: int, seed: int):
         self.items: list[Prompt] = []
         self.seed = seed
+        self._order = (-1, None)  # (epoch, its permutation): a step's prompts mostly share one
         for path in paths:
             for where, record in records(path):
                 self.items.append(self._encode(record, where, tokenizer, template, max_prompt_length))
@@ -101,5 +96,6 @@ class PromptSet:
         """The prompt at `position` of the endless stream: epoch position // n, in that epoch's order."""
         n = len(self.items)
         epoch, i = divmod(position, n)
-        order = np.random.default_rng([self.seed, epoch]).permutation(n)
-        return self.items[int(order[i])]
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+        return self.items[int(self._order[1][i])]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchmeg.checkpoint.manager import load_model_from
+from torchmeg.checkpoint.manager import weights_from
 from torchmeg.config.errors import ConfigError
 from torchmeg.kernels.fused_ce import IGNORE
 
@@ -188,12 +188,8 @@ def prepare_reference(trainer) -> str:
     compute = lambda: reference_logps(trainer.step_fn, trainer.train_set, len(pairs), trainer.layout.local_batch,  # noqa: E731
                                       trainer.dims.dp, trainer.dp_rank, trainer.loss_group, trainer.device)
     if reference:  # TRL's ref_model: its weights for this pass, the starting weights back after it
-        start = [t.detach().clone() for t in trainer.model.state_dict().values()]
-        source = load_model_from(trainer.model, reference, "dpo.reference_path")
-        loss.table = compute()
-        with torch.no_grad():
-            for t, s in zip(trainer.model.state_dict().values(), start):
-                t.copy_(s)
+        with weights_from(trainer.model, reference, "dpo.reference_path") as source:
+            loss.table = compute()
     else:
         source, loss.table = "the starting weights", compute()
     if trainer.rank == 0:

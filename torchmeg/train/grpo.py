@@ -27,6 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from torchmeg.checkpoint.manager import weights_from
 from torchmeg.config.errors import ConfigError
 from torchmeg.batching.generation import Sampling
 from torchmeg.kernels.fused_ce import IGNORE
@@ -63,9 +64,9 @@ class GRPOBatches:
         self.micro: list = []
         self._served = 0
         self.window: list[dict] = []  # the rollouts' metrics since the last logged step
-        self.reference = None  # the reference's parameters (beta > 0): set by keep_reference
         self.log_path = os.path.join(cfg.run_dir, "completions.jsonl") if g.log_completions else None
-        self.note = keep_reference(trainer, self)  # (the header's line on the reference)
+        # the reference's parameters (beta > 0), and the header's line on them
+        self.reference, self.note = reference_weights(trainer)
 
     def __iter__(self):
         return self
@@ -87,25 +88,25 @@ class GRPOBatches:
         n_prompts = self.rows // g.num_generations
         step_prompts = [self.prompts.at(k * n_prompts + p) for p in range(n_prompts)]
         mine = range(self.share * self.per_rank, (self.share + 1) * self.per_rank)
+        rows = [step_prompts[i // g.num_generations] for i in mine]  # each row's prompt
         sampling = Sampling(g.temperature, g.top_k, g.top_p, seed=(self.cfg.job.seed * 1_000_003 + k) % (1 << 62))
         with t.watchdog.inside(f"rollouts for step {self.step}"), rollout.gathered_weights(t.model):
-            outs, timing = rollout.generate(t.model, t.tokenizer, t.device,
-                                            [step_prompts[i // g.num_generations].ids for i in mine], list(mine),
+            outs, timing = rollout.generate(t.model, t.tokenizer, t.device, [p.ids for p in rows], list(mine),
                                             sampling, g.max_completion_length, self.eos_ids, self.stops)
         texts = [self._cut(o.text) for o in outs]
-        conversational = [isinstance(step_prompts[i // g.num_generations].prompt, list) for i in mine]
-        completions = [[{"role": "assistant", "content": x}] if c else x for x, c in zip(texts, conversational)]
+        completions = [[{"role": "assistant", "content": x}] if isinstance(p.prompt, list) else x
+                       for x, p in zip(texts, rows)]
         columns: dict = {}
-        for i in mine:
-            for key, v in step_prompts[i // g.num_generations].columns.items():
+        for p in rows:
+            for key, v in p.columns.items():
                 columns.setdefault(key, []).append(v)
-        rewards = call_rewards(self.funcs, [step_prompts[i // g.num_generations].prompt for i in mine], completions,
-                               [o.completion for o in outs], columns, self.step)
+        rewards = call_rewards(self.funcs, [p.prompt for p in rows], completions, [o.completion for o in outs],
+                               columns, self.step)
         local = torch.tensor([r + [len(o.completion), float(o.truncated)] for r, o in zip(rewards, outs)],
                              dtype=torch.float64)
         every = self._gather(local)  # [R, funcs + 2]
         adv, summed, zero_std = advantages(every[:, :-2], self.weights, g.num_generations, g.scale_rewards)
-        self.micro = self._microbatches(step_prompts, outs, adv[mine.start:mine.stop], mine)
+        self.micro = self._microbatches(rows, outs, adv[mine.start:mine.stop])
         lengths, truncated = every[:, -2], every[:, -1].bool()
         kept = torch.where(truncated, 0.0, lengths) if g.mask_truncated_completions else lengths
         t.step_fn.loss_fn.token_scale = self.shares * t.layout.accum / max(float(kept.sum()), 1.0)
@@ -127,14 +128,14 @@ class GRPOBatches:
         dist.all_gather(parts, local.to(self.t.device) if self.t.device.type == "cuda" else local, group=self.group)
         return torch.cat([p.cpu() for p in parts])
 
-    def _microbatches(self, step_prompts, outs, adv, mine) -> list:
+    def _microbatches(self, rows, outs, adv) -> list:
         g, seq, L = self.g, self.cfg.data.seq_len, self.t.layout.local_batch
         filler = max(self.t.tokenizer.eos_id, 0)
         inputs = torch.full((len(outs), seq), filler, dtype=torch.long)
         labels = torch.full((len(outs), seq), IGNORE, dtype=torch.long)
         sampling = torch.zeros(len(outs), seq, dtype=torch.float32)
-        for r, (i, o) in enumerate(zip(mine, outs)):
-            prompt = step_prompts[i // g.num_generations].ids
+        for r, (p, o) in enumerate(zip(rows, outs)):
+            prompt = p.ids
             row = prompt + o.completion
             inputs[r, :min(len(row), seq)] = torch.tensor(row[:seq])
             if g.mask_truncated_completions and o.truncated:
@@ -179,9 +180,6 @@ class GRPOBatches:
         out["completions/max_length"] = max(m["completions/max_length"] for m in w)
         out["rollout_tokens_per_sec"] = sum(m["rollout_tokens"] for m in w) / max(sum(m["rollout_s"] for m in w), 1e-9)
         return out
-
-    def keep_reference(self, params: list[torch.Tensor]) -> None:
-        self.reference = params
 
     def _metrics(self, every, rewards, zero_std, lengths, truncated, timing) -> dict:
         secs = torch.tensor([timing["seconds"]], dtype=torch.float64)
@@ -244,27 +242,22 @@ class swapped:
         self.saved = None
 
 
-def keep_reference(trainer, batches: GRPOBatches) -> str:
+def reference_weights(trainer) -> tuple[list[torch.Tensor] | None, str]:
     """grpo.beta > 0: a copy of the reference's parameters (each rank its shards), the weights the run
-    starts from: taken at step 0, or read back from checkpoint.initial_load_path on a resume. -> the
-    header's note."""
+    starts from: taken at step 0, or read back from checkpoint.initial_load_path on a resume.
+    -> (the copy or None, the header's note)."""
     cfg = trainer.cfg
     if cfg.grpo.beta == 0.0:
-        return "no reference model (grpo.beta = 0)"
+        return None, "no reference model (grpo.beta = 0)"
     params = list(trainer.model.parameters())
     if trainer.state.step == 0:
-        batches.keep_reference([p.detach().clone() for p in params])
-        return f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)"
+        return ([p.detach().clone() for p in params],
+                f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)")
     where = cfg.checkpoint.initial_load_path
     if not where:
         raise ConfigError(f"grpo.beta = {cfg.grpo.beta}: resuming at step {trainer.state.step} needs the reference (the "
                           f"weights the run started from), which only checkpoint.initial_load_path can give back; "
                           f"set it to the checkpoint the run started from, or start the run anew")
-    from torchmeg.checkpoint.manager import load_model_from  # lazy: a resume with a reference only
-    trained = [p.detach().clone() for p in params]
-    source = load_model_from(trainer.model, where, "checkpoint.initial_load_path")
-    batches.keep_reference([p.detach().clone() for p in params])
-    with torch.no_grad():
-        for p, t in zip(params, trained):
-            p.copy_(t)
-    return f"reference: {source} (checkpoint.initial_load_path)"
+    with weights_from(trainer.model, where, "checkpoint.initial_load_path") as source:
+        reference = [p.detach().clone() for p in params]
+    return reference, f"reference: {source} (checkpoint.initial_load_path)"
