@@ -316,3 +316,18 @@ def test_moe_router_load_counts_training_tokens_only(tmp_path):
     rows, seq_len, top_k, moe_layers = 8, 352, 2, 1
     for m in metrics:
         assert sum(m["tokens_per_expert"]) == rows * seq_len * top_k * moe_layers, m["tokens_per_expert"]
+
+
+def test_a_resume_keeps_the_reference_of_the_start_with_lora(tmp_path):
+    """beta > 0 with LoRA from a base checkpoint: a run stopped after step 2 and resumed = the run
+    straight through (loss, KL). The resumed reference is read from checkpoint.initial_load_path,
+    which holds the base model only: the trained adapters must not enter it."""
+    run_cli(TINY + ["--checkpoint.enable=true", "--checkpoint.interval=2", "--training.steps=2",
+                    "--validation.enable=false"], tmp_path, name="base")
+    args = ["--lora.enable=true", "--grpo.beta=0.1", "--training.steps=4", "--checkpoint.enable=true",
+            "--checkpoint.interval=2", f"--checkpoint.initial_load_path={tmp_path / 'base' / 'checkpoint'}"]
+    straight, _ = _run(tmp_path, args, name="straight")
+    _run(tmp_path, args + ["--training.steps=2"], name="resumed")
+    resumed, _ = _run(tmp_path, args, name="resumed")
+    assert straight[-1]["kl"] > 0
+    assert_parity(straight, resumed, keys=("loss", "grad_norm", "kl"), steps=[3, 4])

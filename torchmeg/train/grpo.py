@@ -31,6 +31,7 @@ from torchmeg.checkpoint.manager import weights_from
 from torchmeg.config.errors import ConfigError
 from torchmeg.batching.generation import Sampling
 from torchmeg.kernels.fused_ce import IGNORE
+from torchmeg.models.lora import is_adapter
 from torchmeg.parallel.data import reshard_all
 from torchmeg.train import rollout
 from torchmeg.train.grpo_loss import RolloutRows, advantages, nanstd, token_logps
@@ -259,5 +260,7 @@ def reference_weights(trainer) -> tuple[list[torch.Tensor] | None, str]:
                           f"weights the run started from), which only checkpoint.initial_load_path can give back; "
                           f"set it to the checkpoint the run started from, or start the run anew")
     with weights_from(trainer.model, where, "checkpoint.initial_load_path") as source:
-        reference = [p.detach().clone() for p in params]
+        # (LoRA: the checkpoint holds the base model; the adapters the run started with added nothing)
+        reference = [torch.zeros_like(p) if is_adapter(n) else p.detach().clone()
+                     for n, p in trainer.model.named_parameters()]
     return reference, f"reference: {source} (checkpoint.initial_load_path)"
