@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from torchmeg.models.llama import causal_attention
 from torchmeg.parallel import context as C
+from torchmeg.runtime.process import finish_script
 
 
 def planned_at_scale(mode: str, cp: int, L: int, H: int, K: int, D: int) -> None:
@@ -79,9 +80,8 @@ def main():
     dist.all_gather_object(every, res)  # one printer: ranks writing at once would interleave lines
     if r == 0:
         print("\n".join(json.dumps(x) for x in every), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_script()  # collect, barrier, destroy, leave without teardown (runtime.process)

@@ -16,6 +16,7 @@ from torchmeg.models import build_model, init_weights
 from torchmeg.parallel import ParallelDims
 from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.parallelize import parallelize
+from torchmeg.runtime.process import finish_script
 
 
 def build(factor: float):
@@ -60,9 +61,8 @@ def main():
         out[f"capacity_{factor}"] = step(model, refuse=True)
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    finish_script()  # collect, barrier, destroy, leave without teardown (runtime.process)

@@ -129,9 +129,9 @@ def main():
                     "experts_dispatched": sum(isinstance(getattr(m, "dispatch", None), AllToAllDispatch)
                                               for m in expert_modules(model)),
                     "hf_plan_entries": len(args.config.base_model_tp_plan)}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from torchmeg.runtime.process import finish_script  # lazy: importing the worker for its tables stays cheap
     main()
+    finish_script()  # collect, barrier, destroy, leave without teardown (runtime.process)

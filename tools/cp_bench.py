@@ -112,8 +112,6 @@ def worker(a) -> None:
         worst = max(out, key=lambda x: x["attn_mem_mib"])
         res.update(attn_mem_mib=worst["attn_mem_mib"], step_ms=max(x["step_ms"] for x in out))
         print("RESULT " + json.dumps(res), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def run_one(a, mode: str, seq: int) -> dict:
@@ -147,7 +145,8 @@ def main(argv=None) -> int:
     if a.worker:
         a.seq = int(a.seq)
         worker(a)
-        return 0
+        from torchmeg.runtime.process import finish_script  # lazy: the worker's process only
+        finish_script()  # collect, barrier, destroy, leave without teardown (a gloo work in a cycle aborts it)
     seqs = [int(s) for s in a.seq.split(",")]
     modes = a.modes.split(",")
     rows = []
