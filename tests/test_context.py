@@ -135,3 +135,28 @@ def test_bad_cp_layouts():
     with pytest.raises(ConfigError, match="n_kv_heads = 2 is not divisible by context_parallel_degree x "
                                           "tensor_parallel_degree = 4"):
         validate(cfg, world_size=4)
+
+
+@pytest.mark.slow
+def test_recompute_drops_the_gathered_kv(tmp_path):
+    """Under full recompute a block holds only its input from forward to backward, in every CP mode:
+    allgather's K/V of the whole sequence go through save_for_backward and are gathered again when
+    the block is recomputed. Four more layers add the same bytes under allgather as under alltoall
+    (which gathers nothing); with the K/V on the autograd ctx they added 4 layers' K/V more (1 MiB
+    each here). Measured with the planner's fake-tensor step (the real run's tracker agrees to the
+    byte: tests/test_plan.py)."""
+    from conftest import _run_one
+    held = {}
+    for mode in ("allgather", "alltoall"):
+        for n in (4, 8):
+            out = tmp_path / f"{mode}{n}.json"
+            p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", "debug_llama.toml"),
+                          "--world", "2", "--json", str(out), "--parallelism.context_parallel_degree=2",
+                          f"--parallelism.context_parallel_mode={mode}", "--activation_checkpoint.mode=full",
+                          "--data.seq_len=1024", "--training.local_batch_size=1", "--data.document_masking=false",
+                          "--parallelism.data_parallel_shard_degree=1", f"--model.n_layers={n}"],
+                         dict(os.environ, OMP_NUM_THREADS="1"), 120)
+            assert p.returncode == 0, p.stderr[-2000:]
+            held[mode, n] = json.load(open(out))["ranks"][0]["activation_bytes"]
+    per_4_layers = {m: held[m, 8] - held[m, 4] for m in ("allgather", "alltoall")}
+    assert per_4_layers["allgather"] == per_4_layers["alltoall"] > 0, per_4_layers

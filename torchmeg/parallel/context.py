@@ -207,15 +207,16 @@ class _BlockAttention(torch.autograd.Function):
                 visit(src, (k_all[src], v_all[src]))
         out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.peers, ctx.ring, ctx.aux = peers, ring, aux
-        if not ring:
-            ctx.kv_all = (k_all, v_all)  # gathered once; backward reuses them
+        # The gathered K/V (allgather: backward reuses them) go through save_for_backward, never onto
+        # ctx: under activation recompute saved tensors are dropped and rebuilt with the block, where
+        # a ctx attribute held the whole sequence's K/V of every layer from forward to backward.
+        ctx.save_for_backward(q, k, v, out, lse, *(() if ring else (k_all, v_all)))
+        ctx.peers, ctx.ring, ctx.aux = peers, ring, aux  # (aux: CUDA's RNG seed/offset scalars, or None)
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *kv_all = ctx.saved_tensors
         peers, ring, aux = ctx.peers, ctx.ring, ctx.aux
         cp, r = peers.size, peers.rank
         c = q.shape[2] // 2
@@ -259,7 +260,7 @@ class _BlockAttention(torch.autograd.Function):
                     kv = tuple(nxt)
             dk, dv = dkv
         else:
-            k_all, v_all = ctx.kv_all
+            k_all, v_all = kv_all
             dk_all = torch.zeros_like(k_all, dtype=torch.float32)
             dv_all = torch.zeros_like(v_all, dtype=torch.float32)
             for src in range(cp):
