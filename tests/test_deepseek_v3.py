@@ -93,6 +93,9 @@ LAYOUTS = [
                               P + "pipeline_parallel_layers_per_stage=[3, 1]"]),
     ("pp2_zbv_accum2", 2, 4, [P + "pipeline_parallel_degree=2", P + "pipeline_parallel_schedule=ZBVZeroBubble",
                               P + "pipeline_parallel_layers_per_stage=1"]),
+    # the last stage's main and MTP losses on vocab-sharded logits (loss parallel under PP)
+    ("pp2_tp2", 4, 8, [P + "pipeline_parallel_degree=2", P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1",
+                       P + "pipeline_parallel_microbatches=4", P + "pipeline_parallel_layers_per_stage=[3, 1]"]),
 ]
 
 

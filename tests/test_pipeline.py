@@ -52,6 +52,8 @@ def test_schedule_matches_single_process(schedule, tmp_path, reference):
 def test_composition_matches_single_process(name, ranks, local, layout, tmp_path, reference):
     p = run_cli(BASE + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks, timeout=180)
     compare(reference, read_metrics(tmp_path))
+    # under TP the schedule's loss takes the last stage's vocab-sharded logits (loss parallel)
+    assert ("vocab-sharded logits (loss parallel)" in p.stdout) == ("tp2" in name), p.stdout[-2000:]
     if "fsdp2" in name:  # what FSDP did between microbatches (parallelize.reshard_after_forward)
         assert ("per microbatch" if "regather" in name else "once per step") in p.stdout, p.stdout[-2000:]
 

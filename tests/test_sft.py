@@ -231,6 +231,9 @@ SFT_LAYOUTS = {
     "pp2": (2, 8, [P + "pipeline_parallel_degree=2", P + "data_parallel_shard_degree=1",
                    P + "pipeline_parallel_microbatches=4"]),
     "tp2_fsdp2": (4, 4, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=2"]),
+    # the last stage's masked loss on vocab-sharded logits, called by the schedule (loss parallel)
+    "pp2_tp2": (4, 8, [P + "pipeline_parallel_degree=2", P + "tensor_parallel_degree=2",
+                       P + "data_parallel_shard_degree=1", P + "pipeline_parallel_microbatches=4"]),
     "cp2": (2, 8, [P + "context_parallel_degree=2", P + "data_parallel_shard_degree=1"]),
 }
 
@@ -244,10 +247,11 @@ def sft_reference(tmp_path_factory):
 @pytest.mark.parametrize("name", list(SFT_LAYOUTS))
 def test_sft_layout_matches_one_process(name, tmp_path, sft_reference):
     ranks, local, layout = SFT_LAYOUTS[name]
-    run_cli(SFT + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
+    p = run_cli(SFT + [f"--training.local_batch_size={local}"] + layout, tmp_path, nproc=ranks)
     got = read_metrics(tmp_path)
     assert_parity(sft_reference, got)
     assert "val_loss" in got[-1]
+    assert ("vocab-sharded logits (loss parallel)" in p.stdout) == ("tp2" in name), p.stdout[-2000:]
 
 
 SFT_MOE = SFT + ["--model.name=moe", "--model.n_experts=4", "--model.top_k=2", "--model.moe_hidden=64"]

@@ -102,9 +102,9 @@ class ParallelDims:
         return line
 
     def uses_loss_parallel(self, p) -> bool:
-        """Cross entropy on vocab-sharded logits (parallelism.loss_parallel under TP). Under PP the
-        last stage's logits feed the schedule's loss, which takes them gathered."""
-        return self.tp > 1 and p.loss_parallel and self.pp == 1
+        """Cross entropy on vocab-sharded logits (parallelism.loss_parallel under TP); under PP the
+        last stage hands them to the schedule's loss sharded, as torchtitan does."""
+        return self.tp > 1 and p.loss_parallel
 
     def check_tp(self, args, cfg) -> None:
         """Tensor (and sequence) parallel degrees against the model's sizes."""

@@ -305,8 +305,9 @@ def pipeline_step(ms: ModelStep, batches, train: bool) -> torch.Tensor:
         ahead = torch.cat([mtp_ahead(b[0], b[1], ms.mtp_depth) for b in batches])
         kw["ahead"] = ms.local(ahead)
         kw["ahead_weight"] = ms.local(mtp_weights(ahead, ms.mtp_depth, chunks=ms.loss_calls, shards=ms.cp))
-    (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
-    loss = torch.stack([x.detach().float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
+    with ms.loss_context():  # the last stage's loss on vocab-sharded logits (loss_parallel)
+        (ms.schedule.step if train else ms.schedule.eval)(*args, **kw)
+    loss = torch.stack([_scalar(x.detach()).float() for x in losses]).mean() if ms.has_last else torch.zeros((), device=ms.device)
     dist.all_reduce(loss, group=ms.pp_group)
     return loss
 
