@@ -76,6 +76,10 @@ def test_attention_memory_at_8k_is_a_quarter_of_the_dense_kernel(tmp_path):
     ("cp2_tp2_ring", 4, 4, [P + "context_parallel_degree=2", P + "tensor_parallel_degree=2", M + "ring"], ()),
     ("cp2_fsdp2_allgather", 4, 2, [P + "context_parallel_degree=2", P + "data_parallel_shard_degree=2"], ()),
     ("cp2_pp2_ring", 4, 4, [P + "context_parallel_degree=2", P + "pipeline_parallel_degree=2", M + "ring"], ()),
+    # the second stage takes the hidden state sequence-sharded over TP (SP): its positions are its CP shard's
+    ("cp2_pp2_tp2_sp", 8, 4, [P + "context_parallel_degree=2", P + "pipeline_parallel_degree=2",
+                              P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1",
+                              "--data.document_masking=false"], ()),
     ("gpt2_cp2_alltoall", 2, 4, [P + "context_parallel_degree=2", M + "alltoall"], ("gpt2",)),
 ])
 def test_cp_matches_single_process(name, ranks, local, layout, model, tmp_path, reference):

@@ -338,9 +338,11 @@ class UlyssesAttention:
         return self._to_sequence(o)
 
 
-def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
+def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather", hidden_seq_shards: int = 1) -> int:
     """Swap every attention kernel (modules with an `sdpa` attribute) for the context-parallel
-    one and feed the model the absolute positions of its shard; returns how many were swapped."""
+    one and feed the model the absolute positions of its shard; returns how many were swapped.
+    `hidden_seq_shards`: how many pieces a hidden-state input (a pipeline stage past the first)
+    arrives in along the sequence — TP's degree under sequence parallel, else 1."""
     attn = UlyssesAttention(cp_mesh) if mode == "alltoall" else BlockAttention(cp_mesh, mode)
     n = 0
     for mod in model.modules():
@@ -359,8 +361,10 @@ def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather") -> int:
         docs = kwargs.get("documents")
         if docs is not None:  # document masking: positions restart per document; this rank's chunks of them
             kwargs["positions"] = shard_sequence(document_positions(docs), rank, size)
-        else:
-            kwargs["positions"] = positions(args[0].shape[1], rank, size, args[0].device)
+        else:  # tokens [B, L/cp], or a later stage's hidden state [B, L/cp/shards, D]
+            x = args[0]
+            local = x.shape[1] * (hidden_seq_shards if x.is_floating_point() else 1)
+            kwargs["positions"] = positions(local, rank, size, x.device)
         return args, kwargs
     model.register_forward_pre_hook(add_positions, with_kwargs=True)
     return n

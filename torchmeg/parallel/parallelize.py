@@ -106,7 +106,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, cfg, mesh=None, tp_plan=No
         if p.enable_async_tensor_parallel:
             _enable_async_tp(mesh["tp"])
     if dims.cp > 1:
-        report["cp_attention"] = apply_cp(model, mesh["cp"], p.context_parallel_mode)
+        # (a pipeline stage past the first takes the hidden state sequence-sharded over TP under SP)
+        shards = dims.tp if dims.tp > 1 and report.get("sequence_parallel") else 1
+        report["cp_attention"] = apply_cp(model, mesh["cp"], p.context_parallel_mode, hidden_seq_shards=shards)
     expert_mesh = None
     if dims.ep > 1 or dims.experts_over_tp:
         apply_ep(model, ep_mesh[dims.expert_dispatch_dim], p.expert_capacity_factor)
