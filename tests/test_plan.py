@@ -30,6 +30,11 @@ LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.glo
            # PP x FSDP: the stage's weights gathered once a step (the default), then once per microbatch
            # forward and backward as 1F1B orders them (5 gathers of each stage's blocks at 4 microbatches)
            ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4"]),
+           # bf16: FSDP accumulates the stage's gradients unsharded in fp32 between microbatches, held
+           # to the step's reduce; short windows, so those bytes rival the activations (a plan that
+           # counted them twice was 1.23-1.30x the real run's peak here)
+           ("pp2_fsdp2_bf16", 4, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4",
+                                  "--training.mixed_precision=bf16", "--data.seq_len=32", "--training.local_batch_size=4"]),
            ("pp2_fsdp2_regather", 4, ["--parallelism.pipeline_parallel_degree=2",
                                       "--parallelism.pipeline_parallel_microbatches=4",
                                       "--parallelism.fsdp_reshard_per_microbatch=true"])]

@@ -89,6 +89,32 @@ def test_async_tp_hides_tp_traffic_under_the_matmuls():
     assert step == pytest.approx(1.45 + 0.5) and shown["dp_shard/all_gather"] == pytest.approx(0.5)
 
 
+def test_pipeline_memory_per_schedule():
+    """What a pipeline rank holds at its peak, from torch's own action order: every stage's
+    microbatch activations A = 1000 bytes, forward transient 7, backward transient 30; pp 4, 8
+    microbatches. GPipe: all 8 forwards before any backward, 8A + 30 on every rank. 1F1B: rank r
+    runs pp - 1 - r warm-up forwards and then one more before its first backward, (pp - r) A + 30.
+    Interleaved1F1B, 2 stages a rank: (v - 1) pp + 2 (pp - 1 - r) warm-up forwards, then the steady
+    state's forward before each backward: rank 0 (4 + 6 + 1) A + 30 ... rank 3 (4 + 0 + 1) A + 30.
+    A split backward (I then W) frees the activations at W, not at I."""
+    from torchmeg.parallel.pipeline_order import held_peak, torch_actions
+    A, TF, TB, pp, m = 1000, 7, 30, 4, 8
+
+    def peaks(schedule, v=None):
+        rows = torch_actions(schedule, pp, m, v)
+        stages = {s: {"act": A, "fwd_transient": TF, "bwd_transient": TB} for row in rows for _, s, _ in row}
+        return [held_peak(row, stages) for row in rows]
+    assert peaks("GPipe") == [8 * A + TB] * pp
+    assert peaks("1F1B") == [(pp - r) * A + TB for r in range(pp)] == [4030, 3030, 2030, 1030]
+    assert peaks("Interleaved1F1B", 2) == [((2 - 1) * pp + 2 * (pp - 1 - r) + 1) * A + TB for r in range(pp)]
+    # forward transients above the backward's, and stages of different sizes (a rank's two virtual stages)
+    stages = {0: {"act": 100, "fwd_transient": 500, "bwd_transient": 0}, 1: {"act": 40, "fwd_transient": 0, "bwd_transient": 9}}
+    assert held_peak([("F", 0, 0), ("F", 1, 0), ("B", 1, 0), ("B", 0, 0)], stages) == 100 + 500
+    split = [("F", 1, 0), ("F", 1, 1), ("I", 1, 0), ("W", 1, 0), ("I", 1, 1), ("W", 1, 1)]
+    assert held_peak(split, stages) == 2 * 40 + 9
+    assert held_peak(split[:3] + [("F", 1, 2)], stages) == 3 * 40  # I freed nothing: 3 held
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_prediction_matches_published_runs_it_was_not_calibrated_on():
@@ -114,7 +140,7 @@ def test_prediction_matches_published_runs_it_was_not_calibrated_on():
     assert by(f8)["matmul"] < 0.67 * by(comp)["matmul"]
 
 
-TP_ROWS = [r for r in RUNS if "TP 8" in r[0]]
+TP_ROWS = [r for r in RUNS if "TP 8" in r[0] and "(Table" not in r[0]]
 # Over-predicted: the model takes async TP's overlap as free; the micro-pipelined matmuls (each split
 # in tp pieces) cost something it does not model. Published speed-up 1.10x, predicted 1.21x.
 OVER = "torchtitan 8B FSDP 8 x TP 8, float8, async TP"
@@ -152,3 +178,38 @@ def test_fsdp_at_128_gpus_matches_published_runs_and_memory(row):
     p = plan(load_config(os.path.join(ROOT, "recipes", recipe), args), world, gpu, isolate=True)
     assert abs(p["predicted_tokens_per_s_per_gpu"] / published - 1) <= 0.15, (name, p["predicted_tokens_per_s_per_gpu"])
     assert abs(planned_gib(p) / MEMORY[name] - 1) <= 0.15, (name, planned_gib(p), MEMORY[name])
+
+
+TABLES = [r for r in RUNS if "(Table" in r[0] or "A100" in r[0]]
+# Known misses, each failing the day it enters the band (docs/planning.md says why). Memory: planned 91.4
+# GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 90.1): the plan holds the same weights,
+# accumulated gradients and microbatches in flight on rank 0 for both schedules, and the source does not
+# say what the run did differently. Tokens/s: CP 4 and 8 predict 1.24x / 1.29x, attention priced at
+# FlashAttention-2's published fraction where the CP kernel runs it in pieces.
+MEMORY_MISS = {"torchtitan 405B 3D, Interleaved 1F1B (Table 5)"}
+TOKENS_MISS = {"torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", "torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)"}
+
+
+def _band(ratio: float, miss: bool, what: str) -> None:
+    if miss:
+        assert ratio > 1.15, f"{what} entered the band ({ratio:.2f}x): check it like the others"
+    else:
+        assert abs(ratio - 1) <= 0.15, (what, round(ratio, 3))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("row", TABLES, ids=[r[0] for r in TABLES])
+def test_2d_3d_cp_and_a100_rows_match_published_runs_and_memory(row):
+    """torchtitan's 64-A100 runs (Llama 3 8B and 70B, FSDP 64, local batch 1; no memory published), its Dec 2024 Table 2 (8B on 8 H100 as FSDP x CP, seq 32k to 256k, compile + float8, full
+    recompute), Table 4 (70B, FSDP 32 x TP 8, compile + float8, with and without async TP) and Table 5
+    (405B, FSDP 8 x TP 8 x PP 8, compile + float8 + async TP, 1F1B and Interleaved 1F1B), with
+    torchtitan's defaults of that date where the source is silent (tools/plan_vs_published.py): tokens/s
+    and memory each within 15%, with the end-to-end factor of the Trainy row (none fitted here), but
+    for the known misses above."""
+    from torchmeg.plan.planner import plan  # lazy: imports the trainer's build (slow) only for this test
+    name, recipe, gpu, world, args, published = row
+    p = plan(load_config(os.path.join(ROOT, "recipes", recipe), args), world, gpu, isolate=True)
+    _band(p["predicted_tokens_per_s_per_gpu"] / published, name in TOKENS_MISS, f"{name} tokens/s")
+    if "A100" not in name:
+        _band(planned_gib(p) / MEMORY[name], name in MEMORY_MISS, f"{name} memory")

@@ -15,6 +15,17 @@ Rows (torchtitan's H100s are the 96 GB, 500 W parts of Grand Teton: `h100-500w`)
   (FSDP 8 x TP 8, per-op recompute, local batch 12) and 70B on 256 H100 (FSDP 32 x TP 8, full
   recompute, local batch 16). The source gives no sequence length: planned at torchtitan's llama3
   configs' 8192.
+- torchtitan's Dec 2024 benchmark (the same file as Tables 1 and 3): Table 4, 70B on 256 H100 as
+  FSDP 32 x TP 8, compile + float8, local batch 16, full recompute, with and without async TP; Table 5,
+  405B on 512 H100 as FSDP 8 x TP 8 x PP 8, compile + float8 + async TP, local batch 32, full recompute,
+  1F1B and Interleaved 1F1B. Where the source is silent the planner takes torchtitan's defaults of
+  that date: seq 8192, float8 tensorwise, as many microbatches as pipeline ranks (8, of 4 sequences:
+  `pipeline_parallel_microbatches or pp`), the layers split as its generate_split_points did (15, 16 x
+  6, 15; interleaved 7, 8 x 14, 7), loss parallel on the last stage.
+- torchtitan's 64-A100 (80 GB) runs (docs/performance.md, Llama 3; eager, bf16, FSDP 64, local batch 1,
+  seq 8192): 8B with selective layer (every 2nd block) and per-op recompute, 70B with full recompute.
+- Its Table 2: 8B on 8 H100 as FSDP x CP (8 x 1 at seq 32k ... 1 x 8 at 256k), compile + float8, local
+  batch 1, full recompute; CP as torchmeg's default (all-gathered K/V, load-balanced chunks).
 Each row is planned from the named recipe with the run's settings.
 """
 from __future__ import annotations
@@ -36,7 +47,25 @@ TP8_8B = TP8 + COMPILE + ["--parallelism.data_parallel_shard_degree=8", "--train
                           "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=op_half"]
 TP8_70B = TP8 + COMPILE + ["--parallelism.data_parallel_shard_degree=32", "--training.local_batch_size=16",
                            "--activation_checkpoint.mode=full"]
-L8, L70 = "llama3_8b.toml", "llama3_70b.toml"
+L8, L70, L405 = "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"
+T4 = TP8_70B + F8TW
+A100 = ["--training.local_batch_size=1", "--parallelism.data_parallel_shard_degree=64", "--data.seq_len=8192"]
+T2 = ["--training.local_batch_size=1", "--activation_checkpoint.mode=full", "--model.max_seq_len=262144"] + FLOAT8
+
+
+def cp_row(cp: int) -> list[str]:
+    return T2 + [f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={8 // cp}",
+                 f"--data.seq_len={32768 * cp}"]
+
+
+T5 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel=true", "--data.seq_len=8192",
+      "--parallelism.pipeline_parallel_degree=8", "--parallelism.data_parallel_shard_degree=8",
+      "--parallelism.pipeline_parallel_microbatches=8", "--training.local_batch_size=32",
+      "--activation_checkpoint.mode=full"] + COMPILE + F8TW + ASYNC
+T5_1F1B = T5 + ["--parallelism.pipeline_parallel_schedule=1F1B",
+                "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"]
+T5_INTERLEAVED = T5 + ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+                       "--parallelism.pipeline_parallel_layers_per_stage=[7" + ", 8" * 14 + ", 7]"]
 # (row, recipe, GPU, world, overrides, published tokens/s per GPU)
 RUNS = [
     ("torchtitan 8B FSDP 8, eager", L8, "h100-500w", 8, BASE, 5762),
@@ -55,13 +84,31 @@ RUNS = [
     ("torchtitan 8B FSDP 128, eager", L8, "h100-500w", 128, BASE, 5605),
     ("torchtitan 8B FSDP 128, compile", L8, "h100-500w", 128, BASE + COMPILE, 6514),
     ("torchtitan 8B FSDP 128, compile + float8", L8, "h100-500w", 128, BASE + FLOAT8, 8380),
+    ("torchtitan 8B FSDP 64, A100, selective layer", L8, "a100", 64, A100 + ["--activation_checkpoint.mode=selective",
+                                                                          "--activation_checkpoint.selective_option=2"], 2904),
+    ("torchtitan 8B FSDP 64, A100, selective op", L8, "a100", 64, A100 + BASE[1:], 2973),
+    ("torchtitan 70B FSDP 64, A100, full recompute", L70, "a100", 64, A100 + [
+        "--activation_checkpoint.mode=full", "--parallelism.tensor_parallel_degree=1",
+        "--parallelism.sequence_parallel=false"], 331),
+    ("torchtitan 70B 2D, float8 (Table 4)", L70, "h100-500w", 256, T4, 829),
+    ("torchtitan 70B 2D, float8, async TP (Table 4)", L70, "h100-500w", 256, T4 + ASYNC, 876),
+    ("torchtitan 405B 3D, 1F1B (Table 5)", L405, "h100-500w", 512, T5_1F1B, 100),
+    ("torchtitan 405B 3D, Interleaved 1F1B (Table 5)", L405, "h100-500w", 512, T5_INTERLEAVED, 128),
+    ("torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)", L8, "h100-500w", 8, cp_row(1), 3890),
+    ("torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)", L8, "h100-500w", 8, cp_row(2), 2540),
+    ("torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", L8, "h100-500w", 8, cp_row(4), 1071),
+    ("torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)", L8, "h100-500w", 8, cp_row(8), 548),
 ]
-# Peak memory per GPU (GiB) where the source publishes it (torchtitan's Tables 1 and 3: the maximum over
-# ranks), against the planner's need: peak tensor bytes x 1.1 + 2 GiB of runtime.
+# Peak memory per GPU (GiB) where the source publishes it (torchtitan's Tables 1 to 5: the maximum
+# over ranks), against the planner's need: peak tensor bytes x 1.1 + 2 GiB of runtime.
 MEMORY = {
     "torchtitan 8B FSDP 8, eager": 82.4, "torchtitan 8B FSDP 8, compile": 77.0,
     "torchtitan 8B FSDP 8, compile + float8": 76.8, "torchtitan 8B FSDP 128, eager": 67.0,
     "torchtitan 8B FSDP 128, compile": 62.0, "torchtitan 8B FSDP 128, compile + float8": 61.8,
+    "torchtitan 70B 2D, float8 (Table 4)": 71.9, "torchtitan 70B 2D, float8, async TP (Table 4)": 67.6,
+    "torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)": 83.9, "torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)": 84.2,
+    "torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)": 84.0, "torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)": 84.5,
+    "torchtitan 405B 3D, 1F1B (Table 5)": 82.5, "torchtitan 405B 3D, Interleaved 1F1B (Table 5)": 72.7,
 }
 
 

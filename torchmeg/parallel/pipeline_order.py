@@ -93,6 +93,24 @@ def simulate(actions):
     return timeline
 
 
+def held_peak(row, stages: dict) -> int:
+    """The most bytes a rank holds as it plays its row of actions (torch_actions): each forward
+    adds its stage's activations (`act`), held to that microbatch's backward (B, or W where the
+    schedule splits it); every action peaks at what is held plus its own transient
+    (`fwd_transient` / `bwd_transient`). `stages`: {stage: {act, fwd_transient, bwd_transient}}."""
+    live, peak = 0, 0
+    for kind, s, _ in row:
+        st = stages[s]
+        if kind == "F":
+            live += st["act"]
+            peak = max(peak, live + st["fwd_transient"])
+        else:
+            peak = max(peak, live + st["bwd_transient"])
+            if kind in ("B", "W"):
+                live -= st["act"]
+    return peak
+
+
 def bubble(timeline) -> float:
     end = max(e for row in timeline for _, e, *_ in row)
     busy = [sum(e - s for s, e, *_ in row) for row in timeline]

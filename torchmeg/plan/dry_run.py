@@ -20,12 +20,14 @@ end depends on the data, and shorter ones attend to fewer keys, so attention FLO
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor.parallel import loss_parallel
 
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
@@ -39,7 +41,7 @@ from torchmeg.observe.metrics import local_bytes, model_state_bytes
 from torchmeg.train.optim import build_optimizer, grad_norm
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.parallelize import program_for, reshard_after_forward
-from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, simulate, torch_actions
+from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak, simulate, torch_actions
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
@@ -259,7 +261,9 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         last = loss_function(cfg, built) if sid == n_stages - 1 else None
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
-        fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
+        # the schedule's loss on the last stage's vocab-sharded logits, as pipeline_step runs it
+        with loss_parallel() if layout.loss_parallel and built.head is None else contextlib.nullcontext():
+            fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -318,16 +322,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
                                  (st["gather_blocks"], n_blocks)):
                 for key, c in table.items() if times else ():
                     add_comm(rank_comm, key, c, times)
-        live, peak = 0, 0
-        for kind, s, _ in actions[pp_rank]:
-            st = mine[s]
-            if kind == "F":
-                live += st["act"]
-                peak = max(peak, live + st["fwd_transient"])
-            else:
-                peak = max(peak, live + st["bwd_transient"])
-                if kind in ("B", "W"):
-                    live -= st["act"]
+        peak = held_peak(actions[pp_rank], mine)
         # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
         # FSDP's gathered weights and unsharded accumulated gradients are held from a stage's first
         # microbatch to the step's reduce (an upper bound for the few actions before they exist).

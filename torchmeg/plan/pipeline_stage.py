@@ -54,7 +54,10 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         # (the parameters' own gradients are counted with the model state: only what FSDP holds besides)
         kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
     mt = step_memory()
-    mt.track_external(part, opt)
+    # The gradients FSDP accumulates unsharded are counted in `kept`: told to this tracker, the second
+    # microbatch's in-place accumulation into them is not counted again as new bytes (it was, as a
+    # transient the size of the stage's reduce-dtype gradients: 23 GiB a rank in the 405B PP 8 plan).
+    mt.track_external(part, opt, *_accumulated_grads(part))
     with mt, cost:
         base = current_bytes(mt)
         out_bytes, after_fwd, fwd_peak = _microbatch(part, x, kw, loss_fn, y, mt)
@@ -69,6 +72,13 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
             "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
             "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
             "reduce_ops": reduce_cost.ops}
+
+
+def _accumulated_grads(part) -> list[torch.Tensor]:
+    """FSDP's unsharded gradients held in the reduce dtype between a stage's microbatches."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in part.modules() if isinstance(m, FSDPModule)]
+    return [fp.unsharded_accumulated_grad for g in groups if g is not None for fp in g.fsdp_params
+            if fp.unsharded_accumulated_grad is not None]
 
 
 def _microbatch(part, x, kw, loss_fn, y, mt=None):
