@@ -180,7 +180,8 @@ def test_fsdp_at_128_gpus_matches_published_runs_and_memory(row):
     assert abs(planned_gib(p) / MEMORY[name] - 1) <= 0.15, (name, planned_gib(p), MEMORY[name])
 
 
-TABLES = [r for r in RUNS if "(Table" in r[0] or "A100" in r[0]]
+# (Table 6, 405B 4D: ~2 min a plan, printed by the tool and in docs/planning.md, not run here)
+TABLES = [r for r in RUNS if ("(Table" in r[0] or "A100" in r[0]) and "(Table 6)" not in r[0]]
 # Known misses, each failing the day it enters the band (docs/planning.md says why). Memory: planned 91.4
 # GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 90.1): the plan holds the same weights,
 # accumulated gradients and microbatches in flight on rank 0 for both schedules, and the source does not

@@ -26,6 +26,9 @@ Rows (torchtitan's H100s are the 96 GB, 500 W parts of Grand Teton: `h100-500w`)
   seq 8192): 8B with selective layer (every 2nd block) and per-op recompute, 70B with full recompute.
 - Its Table 2: 8B on 8 H100 as FSDP x CP (8 x 1 at seq 32k ... 1 x 8 at 256k), compile + float8, local
   batch 1, full recompute; CP as torchmeg's default (all-gathered K/V, load-balanced chunks).
+- Its Table 6: 405B on 512 H100 as TP 8 x PP 8 x FSDP x CP (8 x 1 at seq 32k ... 1 x 8 at 256k), compile +
+  float8 + async TP, 1F1B, local batch 8 (8 microbatches of one sequence), full recompute. Each of its plans
+  takes ~2 min here: printed by this tool, not run by the test suite.
 Each row is planned from the named recipe with the run's settings.
 """
 from __future__ import annotations
@@ -62,6 +65,18 @@ T5 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel
       "--parallelism.pipeline_parallel_degree=8", "--parallelism.data_parallel_shard_degree=8",
       "--parallelism.pipeline_parallel_microbatches=8", "--training.local_batch_size=32",
       "--activation_checkpoint.mode=full"] + COMPILE + F8TW + ASYNC
+T6 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel=true",
+      "--parallelism.pipeline_parallel_degree=8", "--parallelism.pipeline_parallel_microbatches=8",
+      "--training.local_batch_size=8", "--activation_checkpoint.mode=full", "--model.max_seq_len=262144",
+      "--parallelism.pipeline_parallel_schedule=1F1B",
+      "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"] + COMPILE + F8TW + ASYNC
+
+
+def cp_row_405b(cp: int) -> list[str]:
+    return T6 + [f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={8 // cp}",
+                 f"--data.seq_len={32768 * cp}"]
+
+
 T5_1F1B = T5 + ["--parallelism.pipeline_parallel_schedule=1F1B",
                 "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"]
 T5_INTERLEAVED = T5 + ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
@@ -94,12 +109,16 @@ RUNS = [
     ("torchtitan 70B 2D, float8, async TP (Table 4)", L70, "h100-500w", 256, T4 + ASYNC, 876),
     ("torchtitan 405B 3D, 1F1B (Table 5)", L405, "h100-500w", 512, T5_1F1B, 100),
     ("torchtitan 405B 3D, Interleaved 1F1B (Table 5)", L405, "h100-500w", 512, T5_INTERLEAVED, 128),
+    ("torchtitan 405B 4D, FSDP 8 x CP 1, seq 32k (Table 6)", L405, "h100-500w", 512, cp_row_405b(1), 76),
+    ("torchtitan 405B 4D, FSDP 4 x CP 2, seq 64k (Table 6)", L405, "h100-500w", 512, cp_row_405b(2), 47),
+    ("torchtitan 405B 4D, FSDP 2 x CP 4, seq 128k (Table 6)", L405, "h100-500w", 512, cp_row_405b(4), 31),
+    ("torchtitan 405B 4D, FSDP 1 x CP 8, seq 256k (Table 6)", L405, "h100-500w", 512, cp_row_405b(8), 16),
     ("torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)", L8, "h100-500w", 8, cp_row(1), 3890),
     ("torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)", L8, "h100-500w", 8, cp_row(2), 2540),
     ("torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", L8, "h100-500w", 8, cp_row(4), 1071),
     ("torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)", L8, "h100-500w", 8, cp_row(8), 548),
 ]
-# Peak memory per GPU (GiB) where the source publishes it (torchtitan's Tables 1 to 5: the maximum
+# Peak memory per GPU (GiB) where the source publishes it (torchtitan's Tables 1 to 6: the maximum
 # over ranks), against the planner's need: peak tensor bytes x 1.1 + 2 GiB of runtime.
 MEMORY = {
     "torchtitan 8B FSDP 8, eager": 82.4, "torchtitan 8B FSDP 8, compile": 77.0,
@@ -108,6 +127,8 @@ MEMORY = {
     "torchtitan 70B 2D, float8 (Table 4)": 71.9, "torchtitan 70B 2D, float8, async TP (Table 4)": 67.6,
     "torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)": 83.9, "torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)": 84.2,
     "torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)": 84.0, "torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)": 84.5,
+    "torchtitan 405B 4D, FSDP 8 x CP 1, seq 32k (Table 6)": 75.3, "torchtitan 405B 4D, FSDP 4 x CP 2, seq 64k (Table 6)": 75.9,
+    "torchtitan 405B 4D, FSDP 2 x CP 4, seq 128k (Table 6)": 77.1, "torchtitan 405B 4D, FSDP 1 x CP 8, seq 256k (Table 6)": 84.9,
     "torchtitan 405B 3D, 1F1B (Table 5)": 82.5, "torchtitan 405B 3D, Interleaved 1F1B (Table 5)": 72.7,
 }
 
