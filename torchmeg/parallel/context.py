@@ -207,9 +207,8 @@ class _BlockAttention(torch.autograd.Function):
                 visit(src, (k_all[src], v_all[src]))
         out = torch.cat([acc[0][0], acc[1][0]], dim=2).to(q.dtype)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)
-        # The gathered K/V (allgather: backward reuses them) go through save_for_backward, never onto
-        # ctx: under activation recompute saved tensors are dropped and rebuilt with the block, where
-        # a ctx attribute held the whole sequence's K/V of every layer from forward to backward.
+        # Gathered K/V (reused by backward) via save_for_backward, not ctx: recompute drops and rebuilds
+        # saved tensors; a ctx attribute held every layer's whole-sequence K/V from forward to backward.
         ctx.save_for_backward(q, k, v, out, lse, *(() if ring else (k_all, v_all)))
         ctx.peers, ctx.ring, ctx.aux = peers, ring, aux  # (aux: CUDA's RNG seed/offset scalars, or None)
         return out
@@ -341,8 +340,7 @@ class UlyssesAttention:
 def apply_cp(model: nn.Module, cp_mesh, mode: str = "allgather", hidden_seq_shards: int = 1) -> int:
     """Swap every attention kernel (modules with an `sdpa` attribute) for the context-parallel
     one and feed the model the absolute positions of its shard; returns how many were swapped.
-    `hidden_seq_shards`: how many pieces a hidden-state input (a pipeline stage past the first)
-    arrives in along the sequence — TP's degree under sequence parallel, else 1."""
+    `hidden_seq_shards`: a later pipeline stage's hidden-state input is in that many sequence pieces."""
     attn = UlyssesAttention(cp_mesh) if mode == "alltoall" else BlockAttention(cp_mesh, mode)
     n = 0
     for mod in model.modules():
