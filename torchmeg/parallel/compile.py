@@ -26,14 +26,15 @@ def setup(cache_dir: str = "") -> None:
     ISA ATen runs with, and a cache written under the native ISA, read by a process under
     ATEN_CPU_CAPABILITY=avx2, trains NaN from step 1 (measured: every loss NaN on the debug model;
     correct with a cache of its own)."""
-    base = os.path.abspath(cache_dir) if cache_dir else os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
-    if not base:
-        base = default_cache_dir()
-    tag = isa_tag()
-    if os.path.basename(base) != tag:  # setup() runs once per pipeline stage: tag once
-        base = os.path.join(base, tag)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = base
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = isa_cache_dir(cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
     torch._logging.set_logs(recompiles=True)
+
+
+def isa_cache_dir(base: str) -> str:
+    """`base` (default: inductor's own) with this process's ISA folder under it, once."""
+    base = os.path.abspath(base) if base else default_cache_dir()
+    tag = isa_tag()
+    return base if os.path.basename(base) == tag else os.path.join(base, tag)  # setup() runs once per stage
 
 
 def isa_tag() -> str:
