@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, _run_one
 from torchmeg.config.schema import load_config
 from torchmeg.plan.step_cost import StepCost
 
@@ -150,14 +149,15 @@ OVER = "torchtitan 8B FSDP 8 x TP 8, float8, async TP"
 
 
 def _plan_rows(rows, tmp_path) -> dict:
-    """Each row planned by `python -m torchmeg.plan` in a process of its own, two at a time (one per
-    core; the plans are single-threaded but for a pipeline's stage pool) -> {name: plan}."""
+    """Each row planned by `python -m torchmeg.plan` (forked from the suite's zygote, as tests/test_plan.py
+    plans), two at a time (one per core; a plan is single-threaded but for a pipeline's stage pool)
+    -> {name: plan}."""
     def one(k_row):
         k, (name, recipe, gpu, world, args, _) = k_row
         out = tmp_path / f"row{k}.json"
-        p = subprocess.run([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
-                            "--world", str(world), "--gpu", gpu, "--json", str(out)] + args, cwd=ROOT,
-                           capture_output=True, text=True, timeout=800, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
+                      "--world", str(world), "--gpu", gpu, "--json", str(out)] + args,
+                     dict(os.environ, OMP_NUM_THREADS="1"), 800)
         assert p.returncode == 0, (name, p.stderr[-3000:])
         return name, json.load(open(out))
     with ThreadPoolExecutor(2) as pool:

@@ -56,31 +56,23 @@ A100 = ["--training.local_batch_size=1", "--parallelism.data_parallel_shard_degr
 T2 = ["--training.local_batch_size=1", "--activation_checkpoint.mode=full", "--model.max_seq_len=262144"] + FLOAT8
 
 
-def cp_row(cp: int) -> list[str]:
-    return T2 + [f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={8 // cp}",
-                 f"--data.seq_len={32768 * cp}"]
+def cp_layout(cp: int) -> list[str]:
+    """Tables 2 and 6: CP over cp of the node's 8 GPUs, FSDP over the rest, 32k tokens a CP rank."""
+    return [f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={8 // cp}",
+            f"--data.seq_len={32768 * cp}"]
 
 
-T5 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel=true", "--data.seq_len=8192",
-      "--parallelism.pipeline_parallel_degree=8", "--parallelism.data_parallel_shard_degree=8",
-      "--parallelism.pipeline_parallel_microbatches=8", "--training.local_batch_size=32",
-      "--activation_checkpoint.mode=full"] + COMPILE + F8TW + ASYNC
-T6 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel=true",
-      "--parallelism.pipeline_parallel_degree=8", "--parallelism.pipeline_parallel_microbatches=8",
-      "--training.local_batch_size=8", "--activation_checkpoint.mode=full", "--model.max_seq_len=262144",
-      "--parallelism.pipeline_parallel_schedule=1F1B",
-      "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"] + COMPILE + F8TW + ASYNC
-
-
-def cp_row_405b(cp: int) -> list[str]:
-    return T6 + [f"--parallelism.context_parallel_degree={cp}", f"--parallelism.data_parallel_shard_degree={8 // cp}",
-                 f"--data.seq_len={32768 * cp}"]
-
-
-T5_1F1B = T5 + ["--parallelism.pipeline_parallel_schedule=1F1B",
-                "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"]
+# Tables 5 and 6: TP 8 with SP, PP 8 of 8 microbatches (torchtitan's default then), full recompute
+PP3D = ["--parallelism.tensor_parallel_degree=8", "--parallelism.sequence_parallel=true",
+        "--parallelism.pipeline_parallel_degree=8", "--parallelism.pipeline_parallel_microbatches=8",
+        "--activation_checkpoint.mode=full"] + COMPILE + F8TW + ASYNC
+SPLIT_1F1B = ["--parallelism.pipeline_parallel_schedule=1F1B",
+              "--parallelism.pipeline_parallel_layers_per_stage=[15, 16, 16, 16, 16, 16, 16, 15]"]
+T5 = PP3D + ["--data.seq_len=8192", "--parallelism.data_parallel_shard_degree=8", "--training.local_batch_size=32"]
+T5_1F1B = T5 + SPLIT_1F1B
 T5_INTERLEAVED = T5 + ["--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
                        "--parallelism.pipeline_parallel_layers_per_stage=[7" + ", 8" * 14 + ", 7]"]
+T6 = PP3D + SPLIT_1F1B + ["--training.local_batch_size=8", "--model.max_seq_len=262144"]
 # (row, recipe, GPU, world, overrides, published tokens/s per GPU)
 RUNS = [
     ("torchtitan 8B FSDP 8, eager", L8, "h100-500w", 8, BASE, 5762),
@@ -109,14 +101,14 @@ RUNS = [
     ("torchtitan 70B 2D, float8, async TP (Table 4)", L70, "h100-500w", 256, T4 + ASYNC, 876),
     ("torchtitan 405B 3D, 1F1B (Table 5)", L405, "h100-500w", 512, T5_1F1B, 100),
     ("torchtitan 405B 3D, Interleaved 1F1B (Table 5)", L405, "h100-500w", 512, T5_INTERLEAVED, 128),
-    ("torchtitan 405B 4D, FSDP 8 x CP 1, seq 32k (Table 6)", L405, "h100-500w", 512, cp_row_405b(1), 76),
-    ("torchtitan 405B 4D, FSDP 4 x CP 2, seq 64k (Table 6)", L405, "h100-500w", 512, cp_row_405b(2), 47),
-    ("torchtitan 405B 4D, FSDP 2 x CP 4, seq 128k (Table 6)", L405, "h100-500w", 512, cp_row_405b(4), 31),
-    ("torchtitan 405B 4D, FSDP 1 x CP 8, seq 256k (Table 6)", L405, "h100-500w", 512, cp_row_405b(8), 16),
-    ("torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)", L8, "h100-500w", 8, cp_row(1), 3890),
-    ("torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)", L8, "h100-500w", 8, cp_row(2), 2540),
-    ("torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", L8, "h100-500w", 8, cp_row(4), 1071),
-    ("torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)", L8, "h100-500w", 8, cp_row(8), 548),
+    ("torchtitan 405B 4D, FSDP 8 x CP 1, seq 32k (Table 6)", L405, "h100-500w", 512, T6 + cp_layout(1), 76),
+    ("torchtitan 405B 4D, FSDP 4 x CP 2, seq 64k (Table 6)", L405, "h100-500w", 512, T6 + cp_layout(2), 47),
+    ("torchtitan 405B 4D, FSDP 2 x CP 4, seq 128k (Table 6)", L405, "h100-500w", 512, T6 + cp_layout(4), 31),
+    ("torchtitan 405B 4D, FSDP 1 x CP 8, seq 256k (Table 6)", L405, "h100-500w", 512, T6 + cp_layout(8), 16),
+    ("torchtitan 8B FSDP 8 x CP 1, seq 32k (Table 2)", L8, "h100-500w", 8, T2 + cp_layout(1), 3890),
+    ("torchtitan 8B FSDP 4 x CP 2, seq 64k (Table 2)", L8, "h100-500w", 8, T2 + cp_layout(2), 2540),
+    ("torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", L8, "h100-500w", 8, T2 + cp_layout(4), 1071),
+    ("torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)", L8, "h100-500w", 8, T2 + cp_layout(8), 548),
 ]
 # Peak memory per GPU (GiB) where the source publishes it (torchtitan's Tables 1 to 6: the maximum
 # over ranks), against the planner's need: peak tensor bytes x 1.1 + 2 GiB of runtime.

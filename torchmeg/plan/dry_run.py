@@ -31,7 +31,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
-from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
+from torchmeg.train.build import (GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function,
+                                  takes_sharded_logits)
 from torchmeg.train.dpo import DPOLoss
 from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows
 from torchmeg.config.errors import ConfigError
@@ -262,7 +263,7 @@ def _plan_pipeline_ranks(cfg, layout: Layout, mesh, built, opt, labels, pp_ranks
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
         # the schedule's loss on the last stage's vocab-sharded logits, as pipeline_step runs it
-        with loss_parallel() if layout.loss_parallel and built.head is None else contextlib.nullcontext():
+        with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
             fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).

@@ -184,6 +184,11 @@ def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int |
 
 # ---- one step's microbatches through the model ---------------------------------------------------
 
+def takes_sharded_logits(layout: Layout, built: BuiltModel) -> bool:
+    """The loss runs on vocab-sharded logits under loss_parallel(): loss parallel on, and no fused
+    head (which computes its loss from the hidden state itself)."""
+    return layout.loss_parallel and built.head is None
+
 @dataclass
 class ModelStep:
     """What running the model over one step's microbatches needs."""
@@ -211,7 +216,7 @@ class ModelStep:
         A fused head takes no vocabulary-sharded logits: loss_parallel's context stays off. A
         GlobalTargetMean (sft) gets its scale each step from the target count over `loss_group`."""
         sft = isinstance(loss_fn, GlobalTargetMean)
-        return cls(built.model, built.schedule, device, loss_fn, layout.loss_parallel and built.head is None,
+        return cls(built.model, built.schedule, device, loss_fn, takes_sharded_logits(layout, built),
                    layout.accum, mesh["cp"].get_local_rank(), layout.dims.cp, built.has_first, built.has_last,
                    mesh["pp"].get_group(), getattr(layout.args, "mtp_depth", 0),
                    targets=loss_fn if sft else None, loss_group=loss_group,
