@@ -175,3 +175,26 @@ def test_qwen3_shape_tp2_sp_matches_single_process(tmp_path, reference):
     assert len(norms) == 4 and all(params[n]["placements"] == ["Replicate"] and params[n]["global"] == [32]
                                    for n in norms), {n: params[n] for n in norms}
     assert params["layers.0.attention.wq.weight"]["global"] == [4 * 32, 64]  # n_heads x head_dim != dim
+
+
+def test_vocab_parallel_embedding_grads_only_its_rows():
+    """TP 2 on gloo (tests/vocab_embedding_worker.py): the plan's embedding roles look tokens up and
+    take gradients as one process's nn.Embedding does (odd vocabulary, a padding row on either rank,
+    SP and replicated outputs), and each rank's weight gradient arrives as its own rows (Shard(0),
+    vocab / 2 x dim) after the one all-gather of the output gradient SP needs. torch's RowwiseParallel
+    (what a subclass with its own forward keeps) builds the whole table's gradient on every rank."""
+    import os
+    from conftest import _launch_ranks
+    p = _launch_ranks([sys.executable, os.path.join(ROOT, "tests", "vocab_embedding_worker.py")], 2,
+                      dict(os.environ, PYTHONUNBUFFERED="1"), timeout=90)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    for name, rows in (("sp_odd_vocab", 501), ("sp_pad_rank1", 500), ("replicated_pad_rank0", 500)):
+        c = got[name]
+        assert c["style"] == "VocabParallelEmbedding", c
+        assert c["grad_arrives"] == [["(Shard(dim=0),)", [rows, 16]]], c
+        assert c["backward_collectives"] == ({"all_gather_into_tensor": 1} if name.startswith("sp") else {}), c
+    for name, c in got.items():  # fp32 lookups and sums of the same values: the fp32 rule, relative
+        assert c["forward_err"] <= FP32_PARITY and c["grad_err"] <= FP32_PARITY, (name, c)
+    assert got["subclass"]["style"] == "RowwiseParallel"
+    assert got["subclass"]["grad_arrives"] == [["(Replicate(),)", [1000, 16]]], got["subclass"]

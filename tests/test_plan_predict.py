@@ -51,8 +51,9 @@ def test_fused_bytes_are_what_crosses_the_fused_group():
 
 def test_a_collectives_wait_is_not_memory_traffic():
     """A functional all-gather of a 16 MiB bf16 shard over 8 ranks, its wait, then a multiply of the
-    gathered 128 MiB: the collective is counted once (its buffer, 7/8 of it on the wire), the wait
-    moves nothing, the multiply reads and writes the gathered tensor."""
+    gathered 128 MiB: the collective is counted once (its buffer, 7/8 of it on the wire; none of it
+    fusable by async TP: a multiply, not a matmul, takes the result), the wait moves nothing, the
+    multiply reads and writes the gathered tensor."""
     import torch.distributed as dist  # lazy: this test's fake world only
     import torch.distributed._functional_collectives as funcol
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -66,7 +67,7 @@ def test_a_collectives_wait_is_not_memory_traffic():
         assert y.shape == (8192, 8192)
         shard = 1024 * 8192 * 2
         assert cost.comm_table() == {"0/all_gather": {"count": 1, "bytes": 8 * shard, "wire_bytes": 7 * shard,
-                                                      "ranks": 8}}
+                                                      "fusable_wire_bytes": 0, "ranks": 8}}
         assert cost.op_names == ["aten.mul"] and [op[1] for op in cost.ops] == [2 * 8 * shard]
     finally:
         dist.destroy_process_group()
@@ -78,7 +79,10 @@ def test_async_tp_hides_tp_traffic_under_the_matmuls():
     1.45 s (FSDP's 0.5 s hides under the 1.0 s of compute). With async TP and 0.25 s of matmuls the TP
     traffic shows beyond them, 0.4 - 0.25 = 0.15 s (split 3:1 between its gather and reduce-scatter):
     exposed 0.2 s, step 1.2 s; with 1.0 s of matmuls only the first of 8 steps shows, 0.4 / 8 = 0.05 s.
-    FSDP traffic longer than the compute shows its excess: 1.5 s over 1.0 s -> +0.5 s."""
+    Where the pass fuses half the reduce-scatters' traffic: 0.3 + 0.05 s hidden but for 0.35 / 8 =
+    0.04375 s (the gather's 0.0375, the reduce-scatter's 0.00625), the other 0.05 s shown: exposed
+    0.0375 + 0.05625 + 0.05 (EP) = 0.14375 s. FSDP traffic longer than the compute shows its excess:
+    1.5 s over 1.0 s -> +0.5 s."""
     from torchmeg.plan.predict import _step, async_tp_exposed
     comm = {"tp/all_gather": 0.3, "tp/reduce_scatter": 0.1, "ep/all_to_all": 0.05, "dp_shard/all_gather": 0.5}
     step, exposed, overlapped, shown = _step(1.0, comm, 0.0)
@@ -87,6 +91,9 @@ def test_async_tp_hides_tp_traffic_under_the_matmuls():
     assert (step, exposed) == pytest.approx((1.2, 0.2))
     assert (shown["tp/all_gather"], shown["tp/reduce_scatter"], shown["ep/all_to_all"]) == pytest.approx((0.1125, 0.0375, 0.05))
     assert async_tp_exposed(0.4, 1.0, 8) == pytest.approx(0.05) and async_tp_exposed(0.0, 1.0, 8) == 0
+    step, exposed, _, shown = _step(1.0, comm, 0.0, (1.0, 8, {"tp/reduce_scatter": 0.5}))
+    assert (shown["tp/all_gather"], shown["tp/reduce_scatter"]) == pytest.approx((0.0375, 0.05625))
+    assert (step, exposed) == pytest.approx((1.14375, 0.14375))
     step, _, _, shown = _step(1.0, dict(comm, **{"dp_shard/all_gather": 1.5}), 0.0)
     assert step == pytest.approx(1.45 + 0.5) and shown["dp_shard/all_gather"] == pytest.approx(0.5)
 
@@ -143,9 +150,6 @@ def test_prediction_matches_published_runs_it_was_not_calibrated_on():
 
 
 TP_ROWS = [r for r in RUNS if "TP 8" in r[0] and "(Table" not in r[0]]
-# Over-predicted: the model takes async TP's overlap as free; the micro-pipelined matmuls (each split
-# in tp pieces) cost something it does not model. Published speed-up 1.10x, predicted 1.21x.
-OVER = "torchtitan 8B FSDP 8 x TP 8, float8, async TP"
 
 
 def _plan_rows(rows, tmp_path) -> dict:
@@ -169,12 +173,13 @@ def _plan_rows(rows, tmp_path) -> dict:
 def test_tp_rows_match_published_runs(tmp_path):
     """torchtitan's async TP benchmark (8B on 64 H100 as FSDP 8 x TP 8, 70B on 256 H100 as FSDP 32 x TP 8;
     compile, bf16 and float8 tensorwise, vanilla and async TP): each predicted within 15% of its published
-    tokens/s per GPU, with the one end-to-end factor measured on the Trainy row (none fitted here). One
-    row is a known miss (OVER: it fails the day it enters the band)."""
+    tokens/s per GPU, with the one end-to-end factor measured on the Trainy row (none fitted here). Async
+    TP hides only what torch's pass fuses (the backward's input-gradient reduce-scatters stay exposed):
+    taken as all hidden, the 8B float8 async row planned 1.16x."""
     plans = _plan_rows(TP_ROWS, tmp_path)
     for name, recipe, gpu, world, args, published in TP_ROWS:
         p = plans[name]
-        _band(p["predicted_tokens_per_s_per_gpu"] / published, name == OVER, f"{name} tokens/s")
+        _band(p["predicted_tokens_per_s_per_gpu"] / published, False, f"{name} tokens/s")
         assert p["predicted_tokens_per_s_per_gpu"] < p["tokens_per_s_per_gpu"], name
 
 
@@ -196,11 +201,13 @@ def test_fsdp_at_128_gpus_matches_published_runs_and_memory(row):
 
 # (Table 6, 405B 4D: ~2 min a plan, printed by the tool and in docs/planning.md, not run here)
 TABLES = [r for r in RUNS if ("(Table" in r[0] or "A100" in r[0]) and "(Table 6)" not in r[0]]
-# Known misses, each failing the day it enters the band (docs/planning.md says why). Memory: planned 91.4
-# GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 90.1): the plan holds the same weights,
-# accumulated gradients and microbatches in flight on rank 0 for both schedules, and the source does not
-# say what the run did differently. Tokens/s: CP 4 and 8 predict 1.24x / 1.29x, attention priced at
-# FlashAttention-2's published fraction where the CP kernel runs it in pieces.
+# Known misses, each failing the day it enters the band (docs/planning.md says why). Memory: Interleaved
+# 1F1B planned 86.5 GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 82.5): the plan holds the
+# same weights, accumulated gradients and as many microbatch-layers in flight on ranks 0-3 for both
+# schedules, and the source does not say what the run did differently. Tokens/s: CP 4 and 8 predict
+# 1.22x / 1.28x: at 32k tokens a rank torch's CP attention runs pieces of the same shapes at every degree,
+# their number and the K/V they exchange growing linearly with it; the published step times do not (x2.37
+# from CP 2 to CP 4).
 MEMORY_MISS = {"torchtitan 405B 3D, Interleaved 1F1B (Table 5)"}
 TOKENS_MISS = {"torchtitan 8B FSDP 2 x CP 4, seq 128k (Table 2)", "torchtitan 8B FSDP 1 x CP 8, seq 256k (Table 2)"}
 

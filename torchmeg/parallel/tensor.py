@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism from a plan given as data.
 
 A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
-  embedding            vocab-sharded nn.Embedding; output sequence-sharded (SP) or replicated
+  embedding            vocab-sharded nn.Embedding (torchmeg.parallel.vocab_embedding: each rank's
+                       gradient for its own rows); output sequence-sharded (SP) or replicated
   embedding_replicate  vocab-sharded nn.Embedding with a replicated output (e.g. positions are
                        added after it)
   sp_enter             a module whose replicated input should become sequence-sharded (SP only)
@@ -44,6 +45,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchmeg.parallel.expert import sum_over_shards
 from torchmeg.parallel.float8 import is_float8_linear
+from torchmeg.parallel.vocab_embedding import VocabParallelEmbedding, takes_vocab_parallel
 from torchmeg.models import lora
 from torchmeg.models.blocks import fqn_matches
 from torchmeg.models.tying import get_param_owner, retie, tied_pairs
@@ -185,10 +187,10 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
     if role == "sp_input" and sp:
         rest = (None,) * (_n_positional(module) - 1)
         return Prep(input_layouts=(Shard(1),) + rest, desired_input_layouts=(Replicate(),) + rest)
-    if role == "embedding":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
-    if role == "embedding_replicate":
-        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if role in ("embedding", "embedding_replicate"):
+        # torchmeg.parallel.vocab_embedding: each rank's gradient only for its own rows
+        Emb = VocabParallelEmbedding if takes_vocab_parallel(module) else RowwiseParallel
+        return Emb(input_layouts=Replicate(), output_layouts=seq if role == "embedding" else Replicate())
     if role == "output":
         return ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                use_local_output=not loss_parallel)

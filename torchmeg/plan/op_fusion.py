@@ -14,6 +14,8 @@ either way.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -28,11 +30,23 @@ class Traffic:
     starts_group: bool = False                   # a collective ran just before: fusion cannot cross it
 
 
+# storage address -> (a weak reference to the storage, its number): a freed storage's address is
+# reused by the next allocation, and keyed by address the two were one storage (which made the fused
+# bytes, and so the predictions, vary by ~0.5% from run to run with where the allocator put things)
+_NUMBERS: dict[int, tuple] = {}
+_NEXT = itertools.count()
+
+
 def storage_key(t: torch.Tensor):
+    """A number for the storage under `t`, the same for every view of it while it lives, never reused."""
     try:
-        return t.untyped_storage()._cdata
+        st = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor with no storage of its own: count it by identity
         return ("id", id(t))
+    hit = _NUMBERS.get(st._cdata)
+    if hit is None or hit[0]() is not st:
+        hit = _NUMBERS[st._cdata] = (weakref.ref(st), next(_NEXT))
+    return hit[1]
 
 
 def traffic(args, out, fusable: bool, tensors) -> Traffic:

@@ -15,7 +15,8 @@ innermost), the network otherwise. FSDP's all-gathers / reduce-scatters and the 
 ring are overlapped with compute (prefetch, next hop posted before the current pair); what
 exceeds the compute time shows. Tensor-parallel and expert/all-to-all collectives, the pipeline's
 p2p and the small reductions are on the critical path; under async TP the TP gathers and
-reduce-scatters run inside the matmuls they feed (async_tp_exposed). Each collective's exposed
+reduce-scatters that torch's pass fuses with a matmul run inside it (async_tp_exposed), the others
+stay exposed (fused_fractions). Each collective's exposed
 seconds: `predicted_comm_exposed_by`.
 Pipeline: the bubble of the schedule's own action order (torchmeg.parallel.pipeline_order)
 stretches the per-rank busy time.
@@ -86,19 +87,22 @@ def async_tp_exposed(t_comm: float, t_matmul: float, tp: int) -> float:
     return max(t_comm - t_matmul, t_comm / tp) if t_comm else 0.0
 
 
-def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple[float, int] | None = None
+def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple | None = None
           ) -> tuple[float, float, float, dict]:
     """(step, exposed, overlapped, exposed seconds per collective): TP / EP / PP traffic on the
-    critical path (under async TP, `async_tp` = (matmul seconds, tp), the TP gathers and reduce-scatters
-    as async_tp_exposed says), FSDP's and the CP ring's hidden under compute up to its length (the
-    excess shows); the pipeline bubble stretches the busy time."""
+    critical path (under async TP, `async_tp` = (matmul seconds, tp[, {key: fraction of its traffic
+    the pass fuses}], all of it where not given), the fused part of the TP gathers and reduce-scatters
+    as async_tp_exposed says, the rest as without it), FSDP's and the CP ring's hidden under compute
+    up to its length (the excess shows); the pipeline bubble stretches the busy time."""
     shown = {k: t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED}
     if async_tp is not None:
-        t_tp = sum(shown.get(k, 0.0) for k in ASYNC_TP)
-        left = async_tp_exposed(t_tp, *async_tp)
-        for k in ASYNC_TP:
-            if k in shown:
-                shown[k] *= left / t_tp
+        t_matmul, tp, fused = (*async_tp, {})[:3]
+        part = {k: shown[k] * fused.get(k, 1.0) for k in ASYNC_TP if k in shown}
+        t_fused = sum(part.values())
+        if t_fused:
+            scale = async_tp_exposed(t_fused, t_matmul, tp) / t_fused
+            for k, t in part.items():
+                shown[k] -= t * (1 - scale)
     overlapped = sum(t for k, t in comm.items() if k.split("/")[0] in OVERLAPPED)
     excess = max(0.0, overlapped - t_compute)
     for k, t in comm.items():
@@ -106,6 +110,15 @@ def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple[float, in
             shown[k] = excess * t / overlapped
     exposed = sum(t for k, t in shown.items() if k.split("/")[0] not in OVERLAPPED)
     return (t_compute + exposed) * (1 + bubble) + excess, exposed, overlapped, shown
+
+
+def fused_fractions(comm: dict) -> dict[str, float]:
+    """The fraction of each TP gather's and reduce-scatter's traffic that torch's async-TP pass fuses
+    with a matmul (step_cost.StepCost._trace_origin): all gathers that feed a matmul's left operand and
+    reduce-scatters of one matmul's output, not the backward's sum of several matmuls' input
+    gradients (q, k, v; w1, w3) nor the embedding's."""
+    return {k: c.get("fusable_wire_bytes", 0.0) / c["wire_bytes"] for k, c in comm.items()
+            if k in ASYNC_TP and c["wire_bytes"]}
 
 
 def comm_seconds(comm: dict, dims, gpu: GPU, efficiency: float = 1.0) -> dict[str, float]:
@@ -129,12 +142,13 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     comm = comm_seconds(rank["comm"], dims, gpu)
     bubble = (rank.get("pipeline") or {}).get("bubble", 0.0)
     async_tp = cfg.parallelism.enable_async_tensor_parallel and dims.tp > 1
-    step, exposed, overlapped, _ = _step(t_compute, comm, bubble, (t_flop, dims.tp) if async_tp else None)
+    fused = fused_fractions(rank["comm"])
+    step, exposed, overlapped, _ = _step(t_compute, comm, bubble, (t_flop, dims.tp, fused) if async_tp else None)
     by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
     pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
     by_class = {k: t / END_TO_END for k, t in by_class.items()}
     pred_step, pred_exposed, _, shown = _step(sum(by_class.values()), pred_comm, bubble,
-                                              (by_class["matmul"], dims.tp) if async_tp else None)
+                                              (by_class["matmul"], dims.tp, fused) if async_tp else None)
     dtype = "bf16" if cfg.training.mixed_precision == "bf16" else "fp32"
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]

@@ -21,7 +21,7 @@ from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry
 
-from torchmeg.plan.op_fusion import Traffic, fused_bytes, traffic
+from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
 
 aten = torch.ops.aten
 # CPU flash attention takes the CUDA flash kernel's leading arguments (q, k, v / grad_out, q, k, v,
@@ -99,14 +99,17 @@ def _tensors(x):
             yield from _tensors(y)
 
 
-_SUMMED = ("count", "bytes", "wire_bytes")
+# fusable_wire_bytes: the part of wire_bytes whose collective torch's async-TP pass could fuse with a
+# matmul (StepCost._trace_origin)
+_SUMMED = ("count", "bytes", "wire_bytes", "fusable_wire_bytes")
 
 
 def add_comm(comm: dict, key, c: dict, times: int) -> None:
-    """Add `times` x one collective entry {count, bytes, wire_bytes, ranks} into comm[key]."""
-    d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": c["ranks"]})
+    """Add `times` x one collective entry {count, bytes, wire_bytes, ranks[, fusable_wire_bytes]} into comm[key]."""
+    d = comm.setdefault(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0, "fusable_wire_bytes": 0.0,
+                              "ranks": c["ranks"]})
     for k in _SUMMED:
-        d[k] += c[k] * times
+        d[k] = d.get(k, 0) + c.get(k, 0) * times
 
 
 # Library kernels (never fused by the compiler) and FSDP's eager copy-in / copy-out around its
@@ -128,7 +131,11 @@ class StepCost(CommDebugMode):
         self._traffic: list[Traffic] = []
         self._eager = False        # inside a region the compiler does not see (the optimizer's update)
         self._boundary = False     # a collective ran since the last op: fusion cannot cross it
-        self.collectives = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "ranks": 1})
+        self.collectives = defaultdict(lambda: {"count": 0, "bytes": 0, "wire_bytes": 0.0, "fusable_wire_bytes": 0.0,
+                                                "ranks": 1})
+        # storage -> where its bytes came from: "mm" (a matmul's output) or an all-gather's entry
+        # [key, wire bytes, fused yet]; what _trace_origin follows
+        self._origin: dict = {}
 
     def __enter__(self):
         # CommDebugMode's per-module tracker is left out: its hooks fail on a module run from
@@ -195,9 +202,35 @@ class StepCost(CommDebugMode):
         if packet in self.comm_registry or packet in c10d_collective_ops:
             self.comm_counts[NATIVE_TO_PY_MAPPING.get(packet, packet)] += 1
             self._collective(func, args, out)
-        elif _moves_data(func, out):
-            self._compute(func, args, kwargs, out)
+        else:
+            self._trace_origin(packet.__name__, args, out)
+            if _moves_data(func, out):
+                self._compute(func, args, kwargs, out)
         return out
+
+    def _trace_origin(self, name: str, args, out) -> None:
+        """Follow bytes from matmuls and all-gathers to the collectives and matmuls that take them, as
+        torch's async-TP pass matches its patterns (torch/_inductor/fx_passes/micro_pipeline_tp.py):
+        an all-gather is fused when its result (through reshapes, and the split + cat that reassemble a
+        gather along a later dim) is a matmul's left operand; a reduce-scatter when its input is one
+        matmul's output (through the same). Views share their base's storage, so only ops that copy
+        carry an origin on; any other op's output starts clean."""
+        first = next(_tensors(list(args)), None)
+        if name in _MATMULS and first is not None:
+            origin = self._origin.get(storage_key(first))
+            if isinstance(origin, list) and not origin[2]:  # an all-gather's result, this matmul's lhs
+                origin[2] = True
+                self.collectives[origin[0]]["fusable_wire_bytes"] += origin[1]
+        inherit = self._origin.get(storage_key(first)) if name in _CARRY and first is not None else None
+        keep = {storage_key(t) for t in _tensors(list(args))}
+        for t in _tensors(out):
+            key = storage_key(t)
+            if name in _MATMULS:
+                self._origin[key] = "mm"
+            elif inherit is not None:
+                self._origin[key] = inherit
+            elif key not in keep:
+                self._origin.pop(key, None)
 
     def _collective(self, func, args, out) -> None:
         name = _group_name(args)
@@ -212,11 +245,17 @@ class StepCost(CommDebugMode):
         else:
             buf = max((t.numel() * t.element_size() for t in _tensors([args, out])), default=0)
         c = self.collectives[(label, kind)]
+        wire = buf * _WIRE.get(kind, lambda n: 1.0)(size)
         c["count"] += 1
         c["bytes"] += buf
-        c["wire_bytes"] += buf * _WIRE.get(kind, lambda n: 1.0)(size)
+        c["wire_bytes"] += wire
         c["ranks"] = size
         self._boundary = True
+        first = next(_tensors(list(args)), None)
+        if kind == "reduce_scatter" and first is not None and self._origin.get(storage_key(first)) == "mm":
+            c["fusable_wire_bytes"] += wire
+        for t in _tensors(out):
+            self._origin[storage_key(t)] = [(label, kind), wire, False] if kind == "all_gather" else None
 
     def _compute(self, func, args, kwargs, out) -> None:
         packet = _ALIASES.get(func._overloadpacket, func._overloadpacket)
@@ -252,7 +291,7 @@ class StepCost(CommDebugMode):
         self.op_names += self.op_names[i:j] * times
         for key, c in c1.items():
             before = c0.get(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
-            add_comm(self.collectives, key, {**c, **{k: c[k] - before[k] for k in _SUMMED}}, times)
+            add_comm(self.collectives, key, {**c, **{k: c.get(k, 0) - before.get(k, 0) for k in _SUMMED}}, times)
 
     # ---- summaries ----
     @property
@@ -276,6 +315,13 @@ class StepCost(CommDebugMode):
 # that reads or writes; counted as traffic it added 66.6 GB to a 2-layer 70B plan).
 _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
                "set_", "resize_", "resize_storage_bytes_", "detach", "alias", "wait_tensor"}
+
+
+# What torch's async-TP pass fuses with a collective (aten.mm, and _scaled_mm for float8), and the
+# copies it looks through between them (the reassembly of a gather or scatter along a later dim,
+# reshapes that copy).
+_MATMULS = {"mm", "_scaled_mm"}
+_CARRY = {"cat", "clone", "_unsafe_view", "_reshape_copy", "view_copy", "split_with_sizes_copy", "wait_tensor"}
 
 
 def _argument(func, args, kwargs, name: str):
