@@ -1,6 +1,7 @@
 """2 ranks on gloo: the TP plan's embedding roles against one process's nn.Embedding. Prints, from
 rank 0, one JSON line per case: the forward and the gathered weight gradient against the reference
-(largest difference over the largest value), the placement and local shape the weight's gradient arrives with, and the backward's collectives."""
+(largest difference over the largest value), the placement and local shape the weight's gradient
+arrives with, and the backward's collectives."""
 from __future__ import annotations
 
 import datetime
@@ -38,13 +39,16 @@ def case(cls, vocab: int, pad, role: str, sp: bool, mesh) -> dict:
     ids[1, :2] = vocab - 1
     out = emb(ids)
     want = ref(ids)
-    (want.pow(2) * torch.arange(12).view(1, 12, 1)).sum().backward()
+    weight = torch.arange(12).view(1, 12, 1)  # per position, so a gradient in the wrong row shows
+    (want.pow(2) * weight).sum().backward()
+    if sp:  # this rank's sequence shard
+        want, weight = want.chunk(2, 1)[dist.get_rank()], weight.chunk(2, 1)[dist.get_rank()]
     comm = CommDebugMode()
     with comm:
-        (out.pow(2) * torch.arange(12).view(1, 12, 1).chunk(2 if sp else 1, 1)[dist.get_rank() if sp else 0]).sum().backward()
-    mine = want.chunk(2, 1)[dist.get_rank()] if sp else want
-    return {"style": type(style).__name__, "forward_err": ((out - mine).abs().max() / mine.abs().max()).item(),
-            "grad_err": ((emb.weight.grad.full_tensor() - ref.weight.grad).abs().max() / ref.weight.grad.abs().max()).item(), "grad_arrives": seen,
+        (out.pow(2) * weight).sum().backward()
+    rel = lambda a, b: ((a - b).abs().max() / b.abs().max()).item()  # noqa: E731
+    return {"style": type(style).__name__, "forward_err": rel(out, want),
+            "grad_err": rel(emb.weight.grad.full_tensor(), ref.weight.grad), "grad_arrives": seen,
             "backward_collectives": {str(k).split(".")[-1]: v for k, v in comm.get_comm_counts().items()}}
 
 

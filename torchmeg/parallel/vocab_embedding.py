@@ -22,7 +22,7 @@ import types
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.parallel import RowwiseParallel
 
 
@@ -33,20 +33,13 @@ def takes_vocab_parallel(module: nn.Module) -> bool:
             and module.max_norm is None and not module.sparse and not module.scale_grad_by_freq)
 
 
-def row_range(vocab: int, tp: int, rank: int) -> tuple[int, int]:
-    """The rows [lo, hi) of a vocab x dim table that Shard(0) gives TP rank `rank` (torch.chunk's
-    split: ceil(vocab / tp) rows a rank, the last ranks' shorter or empty)."""
-    size = -(-vocab // tp)
-    lo = min(rank * size, vocab)
-    return lo, min(lo + size, vocab)
-
-
 def _lookup(self: nn.Embedding, tokens):
     w = self.weight
     mesh = w.device_mesh
     ids = tokens.to_local() if isinstance(tokens, DTensor) else tokens
     rows = w.to_local()  # its gradient comes back as the weight's own placement, Shard(0)
-    lo, hi = row_range(w.shape[0], mesh.size(), mesh.get_local_rank())
+    n, lo = Shard.local_shard_size_and_offset(w.shape[0], mesh.size(), mesh.get_local_rank())  # Shard(0)'s rows
+    hi = lo + n
     mine = (ids >= lo) & (ids < hi)
     pad = self.padding_idx - lo if self.padding_idx is not None and lo <= self.padding_idx < hi else None
     if hi > lo:

@@ -321,7 +321,7 @@ _NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_s
 # copies it looks through between them (the reassembly of a gather or scatter along a later dim,
 # reshapes that copy).
 _MATMULS = {"mm", "_scaled_mm"}
-_CARRY = {"cat", "clone", "_unsafe_view", "_reshape_copy", "view_copy", "split_with_sizes_copy", "wait_tensor"}
+_CARRY = {"cat", "clone", "_reshape_copy", "view_copy", "split_with_sizes_copy"}
 
 
 def _argument(func, args, kwargs, name: str):

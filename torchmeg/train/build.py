@@ -189,6 +189,7 @@ def takes_sharded_logits(layout: Layout, built: BuiltModel) -> bool:
     head (which computes its loss from the hidden state itself)."""
     return layout.loss_parallel and built.head is None
 
+
 @dataclass
 class ModelStep:
     """What running the model over one step's microbatches needs."""
