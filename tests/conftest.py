@@ -18,6 +18,8 @@ import time
 
 import pytest
 
+import processes
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # A model small enough that a 4-rank run fits in seconds on 2 cores, big enough that every
@@ -74,10 +76,11 @@ class _Forked:
 
     def kill(self):
         if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for kill in (os.killpg, os.kill):  # the run and what it started (it leads its group once it runs)
+                try:
+                    kill(self.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 class _Zygote:
@@ -86,7 +89,7 @@ class _Zygote:
     def __init__(self, env: dict):
         self.dir = tempfile.mkdtemp(prefix="torchmeg-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        with open(os.path.join(self.dir, "log"), "w") as log:
+        with open(os.path.join(self.dir, "log"), "w") as log, processes.keep():  # lives for the session
             self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), self.path],
                                          cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=log, text=True)
@@ -96,11 +99,14 @@ class _Zygote:
         atexit.register(self.close)
 
     def spawn(self, module: str, args: list[str], env: dict, out_path: str, err_path: str) -> _Forked:
+        processes.launching(f"python -m {module}, forked by the test zygote")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
         conn.sendall(json.dumps({"module": module, "args": list(args), "env": env, "cwd": ROOT,
                                  "stdout": out_path, "stderr": err_path}).encode() + b"\n")
-        return _Forked(conn)
+        run = _Forked(conn)
+        processes.started(run.pid)
+        return run
 
     def close(self):
         if self.proc.poll() is None:
@@ -255,6 +261,17 @@ def decoded_runs(decode, ids, mask) -> list[str]:
     return out
 
 
+def assert_resumed(p: subprocess.CompletedProcess, step: int) -> None:
+    """The run `p` resumed from its checkpoint of `step`: the trainer says so, and every step it trained
+    comes after it (a run that silently restarts from 0, deterministic as it is, would repeat the
+    uninterrupted run's last steps exactly: comparing those alone cannot see it)."""
+    m = re.search(r"^resumed +from step (\d+)", p.stdout, re.M)
+    assert m is not None, f"the run did not resume (no 'resumed from' line):\n{p.stdout[:3000]}"
+    assert int(m.group(1)) == step, f"resumed from step {m.group(1)}, not {step}"
+    trained = [int(s) for s in re.findall(r"^step +(\d+) \|", p.stdout, re.M)]
+    assert trained and min(trained) > step, f"after resuming from step {step} the run logged steps {trained}"
+
+
 def read_metrics(tmp_path, name: str = "run") -> list[dict]:
     with open(os.path.join(tmp_path, name, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
@@ -371,6 +388,11 @@ def _uses_rule(fn, module, depth: int = 1) -> bool:
                 and _uses_rule(obj, module, depth - 1):
             return True
     return False
+
+
+def pytest_configure(config):
+    processes.install()
+    config.pluginmanager.register(processes, "torchmeg-processes")
 
 
 def pytest_collection_modifyitems(config, items):

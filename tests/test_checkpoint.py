@@ -160,6 +160,7 @@ def test_killed_between_any_two_commit_steps(tmp_path, uninterrupted, point):
     same(uninterrupted, by_step(read_metrics(tmp_path)))
 
 
+@pytest.mark.slow
 def test_keep_latest_k_prunes_after_commit(tmp_path):
     run_cli(BASE + CK + ["--training.local_batch_size=4", "--checkpoint.keep_latest_k=2"], tmp_path)
     assert sorted(os.listdir(tmp_path / "run" / "checkpoint")) == ["step-00000015", "step-00000020"]
@@ -175,6 +176,7 @@ def _finite_checkpoint(path):
     return all(torch.isfinite(t).all() for t in sd.values()) and len(sd) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["skip", "stop"])
 def test_nan_injection(mode, tmp_path):
     args = BASE + CK + ["--training.local_batch_size=4", f"--training.on_nonfinite={mode}"]
@@ -191,6 +193,7 @@ def test_nan_injection(mode, tmp_path):
         assert _finite_checkpoint(folder / name), name
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_zero(tmp_path):
     args = BASE[:] + CK + ["--training.local_batch_size=4", "--training.steps=100000", "--checkpoint.interval=100000"]
     cmd = [sys.executable, "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
@@ -207,6 +210,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path):
     assert os.listdir(tmp_path / "run" / "checkpoint") == [f"step-{last:08d}"]
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_folder_fails_first(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -274,6 +278,7 @@ def test_export_hf_at_end_of_training_and_convert_tool(tmp_path):
         (first, trained_last, read_metrics(tmp_path)[0]["loss"])
 
 
+@pytest.mark.slow
 def test_last_save_model_only_in_bf16(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
     run_cli(TINY + CK + ["--training.steps=6", "--checkpoint.interval=5", "--checkpoint.last_save_model_only=true",
@@ -318,6 +323,7 @@ print(before, after, torch.get_num_threads())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
 @pytest.mark.parametrize("how", ["manager", "unguarded"])
 def test_checkpoint_exchanges_start_no_second_openmp_team(how, tmp_path):

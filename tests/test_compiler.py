@@ -143,6 +143,7 @@ def _float8_fqns(n_layers: int) -> list[str]:
         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_float8_recipe_trains(recipe, tmp_path):
     """Each torchao recipe converts the blocks' Linears (named), casts to float8 in step 1 (e4m3 for

@@ -94,6 +94,7 @@ def test_overrides_are_typed():
     validate(cfg, world_size=1)
 
 
+@pytest.mark.slow
 def test_cli_exit_code_and_no_traceback():
     p = subprocess.run([sys.executable, "-m", "torchmeg.train", "--config", RECIPE, "--training.steps=-3"],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)

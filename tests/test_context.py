@@ -38,6 +38,7 @@ def _args(model):
 M = P + "context_parallel_mode="
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["allgather", "ring"])  # alltoall cannot split 2 kv heads 8 ways
 def test_128k_recipe_attention_needs_no_local_by_seq_tensor(mode):
     """recipes/llama3_8b_long_context.toml's attention (seq 131072, CP 8, heads 32/8 under TP 4 ->

@@ -153,6 +153,7 @@ def test_trained_checkpoint_to_sharded_hf_reloads_in_transformers(kind, cls, tmp
         assert rel_diff(start(x).logits.abs().sum().item(), hf(x).logits.abs().sum().item()) > 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field, value, named", [
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_parameters.rope_type = 'dynamic'"),
     ("attention_bias", True, "attention_bias = True"),
@@ -165,6 +166,7 @@ def test_fields_the_native_family_lacks_are_refused_in_one_line(field, value, na
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_model_type_without_a_native_family_trains_through_hf(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
     MistralForCausalLM(MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -263,6 +265,7 @@ def test_hf_moe_trains_on_one_process_fsdp2_and_tp2(tmp_path):
     assert "MoE experts run whole on every TP rank" in p.stdout, p.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_a_bf16_release_converts_to_bf16_by_default(tmp_path):
     """A folder whose config.json says bfloat16 (as most releases) converts to a bf16 checkpoint, not
     one twice its size; --dtype float32 asks for float32; the converted recipe trains from either."""

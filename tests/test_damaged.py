@@ -101,6 +101,7 @@ def _rewrite_marker_crc(folder):
     json.dump(meta, open(folder / "torchmeg.json", "w"))
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_in_an_intact_looking_checkpoint(tmp_path, pristine):
     """NaNs that were in memory before the save (CRCs match): caught by the finite check at load."""
     newest = trained_to_8(tmp_path, pristine)
@@ -114,6 +115,7 @@ def test_nonfinite_weights_in_an_intact_looking_checkpoint(tmp_path, pristine):
     assert "non-finite values in the loaded weights" in p.stdout and "resumed   from step 4" in p.stdout
 
 
+@pytest.mark.slow
 def test_no_intact_checkpoint_left_is_an_error(tmp_path, pristine):
     newest = trained_to_8(tmp_path, pristine)
     flip_bytes(distcp(newest))
@@ -122,6 +124,7 @@ def test_no_intact_checkpoint_left_is_an_error(tmp_path, pristine):
     assert p.returncode == 2 and "no intact checkpoint left" in p.stderr and "| loss" not in p.stdout
 
 
+@pytest.mark.slow
 def test_incomplete_step_folder_never_blocks_a_save(tmp_path, pristine):
     newest = trained_to_8(tmp_path, pristine)
     os.remove(newest / "torchmeg.json")  # looks like a save that died before its commit
@@ -177,6 +180,7 @@ def _truncate(path, keep):
         fh.truncate(keep)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, file, words", [
     ("truncate_bin", ".bin", "truncated"),
     ("extra_bin", ".bin", "extra bytes"),
@@ -214,6 +218,7 @@ def test_damaged_store_is_named_in_one_line(damage, file, words, tmp_path):
 
 # ---- preprocessing ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, words", [
     (b'{"text": "fine"}\n{"text": null}\n', "in.jsonl:2: 'text' is null"),
     (b'{"text": "fine"}\n[1, 2]\n', "in.jsonl:2: expected a JSON object"),
@@ -226,6 +231,7 @@ def test_preprocess_rejects_bad_records_and_leaves_nothing(content, words, tmp_p
     _preprocess_fails(content, words, tmp_path, train_tokenizer=False)
 
 
+@pytest.mark.slow
 def test_preprocess_with_tokenizer_training_leaves_nothing(tmp_path):
     _preprocess_fails(b'{"text": "fine"}\n{"text": null}\n', "in.jsonl:2: 'text' is null", tmp_path, train_tokenizer=True)
 
@@ -241,6 +247,7 @@ def _preprocess_fails(content, words, tmp_path, train_tokenizer):
     assert not (tmp_path / "out").exists() or os.listdir(tmp_path / "out") == []
 
 
+@pytest.mark.slow
 def test_preprocess_can_skip_bad_records(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(b'{"text": "one"}\n{"text": null}\nnot json\n{"text": "two"}\n')

@@ -49,6 +49,7 @@ def test_store_round_trip(tmp_path):
     assert list(Store(str(tmp_path / "b")).doc(0)) == [99999, 70000]
 
 
+@pytest.mark.slow
 def test_preprocess_jsonl_and_trained_bpe(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps({"body": t, "id": i}) for i, t in enumerate(TEXTS)) + "\n")
@@ -76,6 +77,7 @@ def stdlib_store():
     return open_store(build_stdlib(ByteTokenizer()))
 
 
+@pytest.mark.slow
 def test_preprocess_parquet_equals_jsonl_and_damage_is_named(tmp_path):
     """--input *.parquet --text-key: the same store as the same texts in JSON lines (null cells are no
     document); a damaged Parquet file or a missing column stops with one line naming the file."""

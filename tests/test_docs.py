@@ -107,6 +107,7 @@ def test_every_documented_command_parses(doc, line, cmd):
     assert problem is None, f"{doc}:{line}: {cmd}\n  {problem}"
 
 
+@pytest.mark.slow
 def test_architecture_names_every_module():
     """docs/architecture.md, the map of the package by job, names every module of torchmeg/ (a module
     added without a place on the map fails here)."""

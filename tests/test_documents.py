@@ -94,6 +94,7 @@ def test_megatron_core_store_trains(tmp_path):
         assert rows[-1]["loss"] < rows[0]["loss"] - 0.3
 
 
+@pytest.mark.slow
 def test_preprocess_writes_what_megatron_core_reads(tmp_path):
     texts = ["def f(x):\n    return x\n", "class A:\n    pass\n", "ünïcödé ✓\n" * 3, "x = 1"]
     src = tmp_path / "in.jsonl"
@@ -169,6 +170,7 @@ def test_samples_carry_documents_and_mask_the_eod_target(tmp_path):
 LAYOUTS = ["single", "tp2", "cp2_allgather", "cp2_alltoall", "pp2"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_packed_documents_equal_each_document_alone(layout):
     """A window packing documents A|B|C, through the real build and microbatch loop / pipeline

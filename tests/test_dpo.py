@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, read_metrics, reference_run, run_cli
 
 DPO = TINY + ["--training.objective=dpo", "--data.dataset=python_stdlib_pairs", "--data.chat_template=chatml",
               "--data.seq_len=384", "--training.steps=4", "--training.deterministic=true",
@@ -120,6 +120,7 @@ def test_dpo_resume_reads_the_reference_back(tmp_path, dpo_reference):
     log-probs read back, not recomputed from trained weights); without them, one line."""
     run_cli(DPO + ["--training.local_batch_size=4", "--training.steps=2"], tmp_path)
     p = run_cli(DPO + ["--training.local_batch_size=4"], tmp_path)
+    assert_resumed(p, 2)
     assert "reference log-probs read from" in p.stdout
     assert_parity(dpo_reference, read_metrics(tmp_path)[-2:], steps={3, 4})
     (tmp_path / "run" / "checkpoint" / "dpo_reference.pt").unlink()
@@ -193,6 +194,7 @@ BAD_PAIRS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_PAIRS))
 def test_bad_pair_is_refused_in_one_line_naming_file_and_line(case, tmp_path):
     line, why = BAD_PAIRS[case]
@@ -205,6 +207,7 @@ def test_bad_pair_is_refused_in_one_line_naming_file_and_line(case, tmp_path):
     assert p.returncode == 2 and len(errors) == 1 and f"{path}:2" in errors[0] and why in errors[0], p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_dpo_layouts_it_does_not_take_are_refused(tmp_path):
     for extra, key in (([P + "pipeline_parallel_degree=2"], "pipeline_parallel_degree"),
                        (["--training.fused_linear_cross_entropy=true"], "fused_linear_cross_entropy"),

@@ -146,6 +146,7 @@ def test_a_second_backward_is_refused_unless_kept():
     assert torch.equal(w2.grad, 2 * first)
 
 
+@pytest.mark.slow
 def test_triton_kernel_equals_torch_under_the_interpreter():
     """The CUDA kernel (`_ce_rows_kernel`) run by Triton's interpreter on CPU tensors: each row's
     loss and its gradient over the logits equal the torch path's, and the whole fused loss equals

@@ -229,6 +229,7 @@ def test_eval_reproduces_the_logged_val_loss(debug_run):
     assert whole["bits_per_byte"] >= whole["loss"] / math.log(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, needle", [
     (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
@@ -246,6 +247,7 @@ def test_generate_refuses_bad_input_in_one_line(extra, needle, tmp_path):
     assert needle in line if needle else ("no committed checkpoint in" in line and "checkpoint.folder" in line), line
 
 
+@pytest.mark.slow
 def test_generate_refuses_another_tokenizer(debug_run, tmp_path):
     from torchmeg.data.tokenizer import train_bpe
     tok = tmp_path / "bpe.json"

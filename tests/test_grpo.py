@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, assert_tensor_close, read_metrics, run_cli
 from torchmeg.kernels.fused_ce import IGNORE
 from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows, advantages, importance_ratio
 
@@ -176,9 +176,13 @@ def _completions(d, name="run"):
         return [json.loads(line) for line in fh]
 
 
-def _run(tmp_path, extra, nproc=1, name="run"):
+def _launch(tmp_path, extra, nproc=1, name="run"):
     env = {"PYTHONPATH": _rewards_module(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run_cli(GRPO + extra, tmp_path, nproc=nproc, name=name, env=env, timeout=180)
+    return run_cli(GRPO + extra, tmp_path, nproc=nproc, name=name, env=env, timeout=180)
+
+
+def _run(tmp_path, extra, nproc=1, name="run"):
+    _launch(tmp_path, extra, nproc, name)
     return read_metrics(tmp_path, name), _completions(tmp_path, name)
 
 
@@ -188,6 +192,7 @@ def one_process(tmp_path_factory):
     return _run(d, ["--grpo.num_iterations=1", "--grpo.beta=0.04"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout, nproc", [(["--parallelism.data_parallel_shard_degree=2"], 2),
                                            ([P + "tensor_parallel_degree=2"], 2),
                                            ([P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=2"], 4)],
@@ -206,6 +211,7 @@ def test_layouts_equal_one_process(one_process, tmp_path, layout, nproc):
     assert any(r["loss"] != 0 for r in ref_metrics) and ref_metrics[-1]["kl"] > 0  # (the policy moved off the reference)
 
 
+@pytest.mark.slow
 def test_resume_is_exact_and_iterations_reuse_rollouts(tmp_path):
     """num_iterations 2: steps 1-2 train on one batch of rollouts (step 2's ratio moves off 1 and
     clips), 3-4 on the next; a run stopped after step 2 and resumed = the run straight through."""
@@ -213,7 +219,8 @@ def test_resume_is_exact_and_iterations_reuse_rollouts(tmp_path):
             "--grpo.epsilon=0.02"]
     straight, rolled = _run(tmp_path, args, name="straight")
     _run(tmp_path, args + ["--training.steps=2"], name="resumed")
-    resumed, rolled2 = _run(tmp_path, args, name="resumed")
+    assert_resumed(_launch(tmp_path, args, name="resumed"), 2)
+    resumed, rolled2 = read_metrics(tmp_path, "resumed"), _completions(tmp_path, "resumed")
     assert [r["step"] for r in rolled] == [1] * 8 + [3] * 8  # rollouts at steps 1 and 3 only
     assert [(r["step"], r["completion_ids"]) for r in rolled2] == [(r["step"], r["completion_ids"]) for r in rolled]
     assert_parity(straight, resumed, keys=("loss", "grad_norm") + ROLLOUT_KEYS, steps=[3, 4])
@@ -251,6 +258,7 @@ def test_rollouts_are_each_sequence_generated_alone(tmp_path):
     assert len({tuple(o.completion) for o in outs[:3]}) == 3  # a group's sample indices differ
 
 
+@pytest.mark.slow
 def test_bad_input_each_one_line(tmp_path):
     """Unknown reward function, a reward returning a string, one that raises, a prompt longer than the
     context, an empty prompt set: exit 2 with one line naming the key, function or record."""
@@ -297,6 +305,7 @@ def test_the_watchdog_times_rollouts_apart_from_the_step():
     assert len(w._times) == 1 and w._times[0] < 0.25
 
 
+@pytest.mark.slow
 def test_lora_recompute_bf16_with_a_reference_and_iterations(tmp_path):
     """LoRA adapters, full recompute and bf16 (FSDP's mixed precision on one rank) with beta > 0 and
     num_iterations 2: the reference swap after the old policy's forward (which leaves FSDP's root
@@ -308,6 +317,7 @@ def test_lora_recompute_bf16_with_a_reference_and_iterations(tmp_path):
     assert metrics[-1]["kl"] > 0 and len(rolled) == 2 * 8
 
 
+@pytest.mark.slow
 def test_moe_router_load_counts_training_tokens_only(tmp_path):
     """A MoE policy: the rollouts' routing is not training load (the load-balancing bias and the
     logged tokens per expert count the step's training rows only: rows x seq_len x top_k x the one
@@ -318,6 +328,7 @@ def test_moe_router_load_counts_training_tokens_only(tmp_path):
         assert sum(m["tokens_per_expert"]) == rows * seq_len * top_k * moe_layers, m["tokens_per_expert"]
 
 
+@pytest.mark.slow
 def test_a_resume_keeps_the_reference_of_the_start_with_lora(tmp_path):
     """beta > 0 with LoRA from a base checkpoint: a run stopped after step 2 and resumed = the run
     straight through (loss, KL). The resumed reference is read from checkpoint.initial_load_path,
@@ -328,6 +339,7 @@ def test_a_resume_keeps_the_reference_of_the_start_with_lora(tmp_path):
             "--checkpoint.interval=2", f"--checkpoint.initial_load_path={tmp_path / 'base' / 'checkpoint'}"]
     straight, _ = _run(tmp_path, args, name="straight")
     _run(tmp_path, args + ["--training.steps=2"], name="resumed")
-    resumed, _ = _run(tmp_path, args, name="resumed")
+    assert_resumed(_launch(tmp_path, args, name="resumed"), 2)
+    resumed = read_metrics(tmp_path, "resumed")
     assert straight[-1]["kl"] > 0
     assert_parity(straight, resumed, keys=("loss", "grad_norm", "kl"), steps=[3, 4])

@@ -165,6 +165,7 @@ def test_hf_recipe_loads_trains_exports_and_transformers_reloads(tmp_path):
         assert_tensor_close(ours(vx).float(), exported(vx).logits.float(), FP32_PARITY, "logits")
 
 
+@pytest.mark.slow
 def test_hf_errors_are_one_line(tmp_path):
     from torchmeg.config.schema import ConfigError, load_config
     from torchmeg.train.validate import validate

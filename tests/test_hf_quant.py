@@ -57,6 +57,7 @@ def _quantize_folder(folder, quantize, quantization_config: dict, judge: dict | 
     return ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen3"])
 def test_fp8_block_scaled_release_converts_to_the_dequantized_model(kind, tmp_path):
     """Every Linear weight but the embedding, head and router in e4m3 with [16, 32] blocks (rows x cols;
@@ -100,6 +101,7 @@ def _mxfp4_quantize(w_EIO: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, (exp + 127).to(torch.uint8)
 
 
+@pytest.mark.slow
 def test_mxfp4_experts_of_gpt_oss_convert_to_the_dequantized_model(tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
     _hf_folder(tmp_path / "hf", "gpt_oss")
@@ -122,6 +124,7 @@ def test_mxfp4_experts_of_gpt_oss_convert_to_the_dequantized_model(tmp_path):
         assert_tensor_close(_native(tmp_path / "out")(x), hf(x).logits, FP32_PARITY, "gpt_oss mxfp4 logits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, named", [
     ({"quant_method": "gptq", "bits": 4}, "quant_method = 'gptq'"),
     ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme = 'static'"),

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, assert_parity, assert_tensor_close, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, ROOT, TINY, assert_parity, assert_resumed, assert_tensor_close, read_metrics, reference_run, run_cli
 
 # A learning rate at which the adapters move well away from zero within a few steps (B starts at 0).
 LORA = TINY + ["--lora.enable=true", "--lora.rank=8", "--lora.alpha=16", "--optimizer.lr=1e-2",
@@ -96,7 +96,7 @@ def test_only_the_adapters_train_and_the_optimizer_holds_only_them(tmp_path):
     assert moments == 2 * sum(v.numel() for v in adapters.values())
     # resumed from step 2 = the uninterrupted run (the adapters and their moments restored)
     run_cli(args + ["--training.steps=2"], tmp_path, name="re")
-    run_cli(args, tmp_path, name="re")
+    assert_resumed(run_cli(args, tmp_path, name="re"), 2)
     assert_parity(read_metrics(tmp_path, "ft")[-2:], read_metrics(tmp_path, "re")[-2:], steps={3, 4})
 
 
@@ -201,7 +201,9 @@ def test_every_family_takes_adapters_and_learns_through_them(family, tmp_path):
     grouped experts), and 6 steps through them lower the validation loss below that of the same run
     at lr 0 (the base alone)."""
     args, expect = FAMILIES[family]
+    # global batch 4: gpt2_124m's recipe accumulates to 512 sequences a step (768 microbatches in 6 steps)
     args = args + ["--lora.enable=true", "--training.steps=6", "--data.seq_len=64", "--training.local_batch_size=4",
+                   "--training.global_batch_size=4",
                    "--lr_scheduler.warmup_steps=1", "--lr_scheduler.decay_type=constant", "--validation.enable=true",
                    "--validation.freq=6", "--validation.steps=2", "--metrics.log_freq=1",
                    "--metrics.enable_tensorboard=false", "--checkpoint.enable=false", "--checkpoint.export_hf=false",

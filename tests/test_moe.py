@@ -233,6 +233,7 @@ def test_experts_run_without_a_host_sync():
         M.grouped_mm_takes = saved
 
 
+@pytest.mark.slow
 def test_expert_parallel_host_reads():
     """EP 2 x FSDP 2 on gloo, forward and backward with every host read counted: the dropless
     dispatch's all_to_all_single takes its split sizes as host lists, so each MoE layer reads its

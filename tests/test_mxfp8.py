@@ -100,6 +100,7 @@ def test_mxfp8_grouped_experts_under_expert_parallel(tmp_path):
     assert_parity(read_metrics(tmp_path, "one"), read_metrics(tmp_path, "ep"), rtol=MX_LAYOUT)
 
 
+@pytest.mark.slow
 def test_mxfp8_refuses_partial_token_blocks_and_planning(tmp_path):
     """Refused in one line each: a microbatch of 60 tokens (MX blocks are 32) and the planner (it cannot
     trace torchao's GPU kernels on fake tensors)."""

@@ -152,6 +152,7 @@ def test_fsdp4_holds_a_quarter_of_the_state(tmp_path):
     assert state[4] <= 0.27 * state[1], state
 
 
+@pytest.mark.slow
 def test_bad_layout_fails_before_training(tmp_path):
     p = run_cli(TINY + [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=2"], tmp_path, nproc=2,
                 check=False, torchrun=True)
@@ -177,6 +178,7 @@ def test_qwen3_shape_tp2_sp_matches_single_process(tmp_path, reference):
     assert params["layers.0.attention.wq.weight"]["global"] == [4 * 32, 64]  # n_heads x head_dim != dim
 
 
+@pytest.mark.slow
 def test_vocab_parallel_embedding_grads_only_its_rows():
     """TP 2 on gloo (tests/vocab_embedding_worker.py): the plan's embedding roles look tokens up and
     take gradients as one process's nn.Embedding does (odd vocabulary, a padding row on either rank,

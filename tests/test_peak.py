@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from torchmeg.observe import peak
@@ -14,6 +15,7 @@ def _hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_probe_under_load_is_not_cached(tmp_path):
     """Spinning processes on every core (and one more) take the probe's cores away: it sees its own
     CPU share fall, uses the number for this run only and writes nothing. (More load from elsewhere

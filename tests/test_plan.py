@@ -122,6 +122,7 @@ def test_large_recipes_need_the_users_tokenizer_and_data():
         validate(load_config(path), cfg.plan.world_size, data=False)
 
 
+@pytest.mark.slow
 def test_plan_refuses_a_layout_that_does_not_divide():
     p = _plan(["--config", RECIPE, "--world", "3", "--parallelism.tensor_parallel_degree=2"], timeout=60)
     assert p.returncode == 2

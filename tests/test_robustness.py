@@ -37,6 +37,7 @@ def launch_unsupervised(args, tmp_path, nproc, env, timeout=90):
     return [p.returncode for p in procs], [e for _, e in outs], time.time() - t0
 
 
+@pytest.mark.slow
 def test_exception_on_one_rank_ends_every_rank(tmp_path):
     env = {"TORCHMEG_TEST_RAISE_AT_STEP": "3", "TORCHMEG_TEST_FAULT_RANK": "1"}
     codes, errs, wall = launch_unsupervised(TINY + ["--training.steps=50", P + "data_parallel_shard_degree=2",
@@ -93,6 +94,7 @@ def test_profiling_writes_a_trace_per_rank(tmp_path):
             f"[profile] rank {r} step 4: no memory timeline" in p.stderr, p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_consecutive_skips_stop_the_run(tmp_path):
     args = TINY + ["--training.steps=10", "--optimizer.lr=1e30", "--lr_scheduler.warmup_steps=0",
                    "--training.max_norm=0", "--training.max_consecutive_skips=3"]
@@ -102,6 +104,7 @@ def test_consecutive_skips_stop_the_run(tmp_path):
     assert sum(1 for r in rows if r.get("skipped")) == 3 and max(r["step"] for r in rows) < 10
 
 
+@pytest.mark.slow
 def test_metrics_jsonl_is_strict_json_with_nonfinite_values(tmp_path):
     run_cli(TINY + ["--training.steps=3"], tmp_path, env={"TORCHMEG_TEST_NAN_AT_STEP": "2"})
     lines = open(tmp_path / "run" / "metrics.jsonl").read().splitlines()
@@ -126,6 +129,7 @@ def test_bad_values_are_refused(override, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+@pytest.mark.slow
 def test_job_name_may_nest_inside_dump_folder(tmp_path):
     validate(load_config(None, ["--job.name=sweep/lr_1"]))
     p = run_cli(TINY + ["--training.steps=1"], tmp_path, name="../escape", check=False)
@@ -148,6 +152,7 @@ def test_failure_under_torchrun_max_restarts_resumes(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 7))
 
 
+@pytest.mark.slow
 def test_collective_timeouts_follow_the_phase_and_stay_above_the_watchdog():
     """comm.init_timeout_seconds on every group (the mesh's too: torch gives those gloo's 30 min, not
     the init's) until the steady steps, then comm.train_timeout_seconds -- or 1.25 x the watchdog's
@@ -185,6 +190,7 @@ def test_collective_timeouts_follow_the_phase_and_stay_above_the_watchdog():
     assert out["eval"] == [900, 900, 900]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keys, msg", [
     (["--comm.init_timeout_seconds=600"], "comm.init_timeout_seconds = 600: must exceed training.watchdog_startup_s"),
     (["--comm.train_timeout_seconds=60"], "comm.train_timeout_seconds = 60: must exceed training.watchdog_min_s"),

@@ -136,3 +136,48 @@ def test_engine_penalties_are_openais():
             seq.append(int((logits - 1.5 * counts - 0.5 * (counts > 0).float()).argmax()))
     assert jobs[0].tokens == seq[len(prompt):] and jobs[0].tokens != jobs[1].tokens
     assert jobs[1].tokens == generate(model, [prompt], 12, -1, Sampling(), "cpu")[0].tokens
+
+
+def test_every_cancelled_job_hears_its_end_and_gives_its_place_back():
+    """A cancelled job, running or waiting, ends with one event ("abort") and leaves the scheduler; the
+    others run to their end. (The engine used to drop a cancelled job without an event: the API process,
+    which forgets a request only on its last event, kept counting it against the queue for good.)"""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=1, max_len=64, max_queue=3)
+    ends = {}
+    jobs = [Job([5 + i, 6, 7], 6, Sampling(), on_event=lambda text, ids, reason, i=i: reason and ends.setdefault(
+        i, []).append(reason)) for i in range(3)]
+    for j in jobs:
+        engine.submit(j)
+    engine.step()
+    engine.step()
+    engine.cancel(jobs[0])  # running
+    engine.cancel(jobs[2])  # waiting behind jobs[1]
+    while engine.running or engine.waiting:
+        engine.step()
+    assert ends == {0: ["abort"], 1: ["length"], 2: ["abort"]}
+    assert len(jobs[1].tokens) == 6 and not engine.scheduler.take_dropped()
+
+
+def test_a_cancel_racing_a_finish_is_harmless():
+    """The relay's reader cancels by key while the engine's thread pops finished jobs: the pop between
+    the reader's look-up and its read must not raise (a KeyError there ended the thread that reads
+    requests, and the server hung without exiting)."""
+    from torchmeg.serving.relay import cancel
+
+    class Racing(dict):  # the key is there when asked, gone when read: the finish fell in between
+        def __contains__(self, key):
+            return True
+
+        def __getitem__(self, key):
+            raise KeyError(key)
+
+        def get(self, key, default=None):
+            return default
+
+    cancelled = []
+    engine = type("E", (), {"cancel": lambda self, job: cancelled.append(job)})()
+    cancel(engine, Racing(), 7)
+    cancel(engine, {3: "job"}, 3)
+    assert cancelled == ["job"]

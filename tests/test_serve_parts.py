@@ -20,6 +20,7 @@ from torchmeg.models import build_model, materialize
 from torchmeg.models.args import model_args
 from torchmeg.batching import slots
 from torchmeg.batching.engine import Engine
+from torchmeg.batching.metrics import Metrics
 from torchmeg.serving.kv_budget import slot_length
 from torchmeg.batching.output import CONTEXT, Detokenizer
 from torchmeg.batching.runner import kv_bytes_per_token
@@ -165,7 +166,7 @@ def test_metrics_count_what_ran():
     after the first, one end-to-end latency per finished sequence, finished requests by reason,
     prompt tokens = the prompts' lengths, generation tokens = the tokens generated."""
     model, _ = _model()
-    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=8)
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=8, metrics=Metrics())
     jobs = [Job(list(b"xyz"[:i + 1]), 4 + i, Sampling(), on_event=lambda *a: None) for i in range(3)]
     for j in jobs:
         engine.submit(j)
@@ -180,3 +181,36 @@ def test_metrics_count_what_ran():
     assert values['torchmeg_request_success_total{finished_reason="length"}'] == 3
     assert values["torchmeg_prompt_tokens_total"] == 6 and values["torchmeg_generation_tokens_total"] == 15
     assert values["torchmeg_num_requests_running"] == 0 and values["torchmeg_requests_total"] == 3
+
+
+def test_the_end_of_text_token_is_in_the_ids_and_log_probs_not_the_text():
+    """What lm-eval's local-completions reads (echo, logprobs 1, max_tokens 1: token_logprobs[ctxlen:-1]
+    dropped the continuation's last token when the generated one was the end of text): as vLLM, the
+    token that ends a sequence is in its token ids and log-probs and in completion_tokens, and not in
+    its text. Checked at the engine (the final event carries it) and in the API process's mirror of
+    the job (the response's logprobs and usage)."""
+    from types import SimpleNamespace
+
+    from torchmeg.serving.api import _completion_logprobs, _usage
+    from torchmeg.serving.frontend import EngineClient
+    model, _ = _model()
+    prompt = list(b"def f(x):\n    return")
+    greedy = generate(model, [prompt], 1, -1, Sampling(), "cpu")[0].tokens[0]
+    events = []
+    job = Job(prompt, 1, Sampling(), on_event=lambda *e: events.append(e), eos_ids=frozenset({greedy}), logprobs=1,
+              prompt_logprobs=True)
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=1, max_len=64, max_queue=1)
+    engine.submit(job)
+    while engine.running or engine.waiting:
+        engine.step()
+    assert events[-1][1:] == ([greedy], "stop") and job.stop_token[0] == greedy
+    assert len(job.token_logprobs) == 1 and job.token_logprobs[0][0] < 0
+    # the API process mirrors the job from the events (serving.relay sends the token's score with it)
+    client = EngineClient(None, 1, 1, 64)
+    mirror = Job(prompt, 1, Sampling(), on_event=lambda *e: None, logprobs=1, prompt_logprobs=True)
+    client._event(mirror, 0.0, events[-1][0], events[-1][1], "stop", job.token_logprobs[-1],
+                  job.prompt_token_logprobs, True)
+    lp = _completion_logprobs(SimpleNamespace(tokenizer=ByteTokenizer()), mirror, echo=True)
+    assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][-1] == job.token_logprobs[0][0]
+    assert _usage(len(prompt), [mirror])["completion_tokens"] == 1
+    assert events[-1][0] == ""  # (the text: the end of text is not in it)

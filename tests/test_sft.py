@@ -277,6 +277,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_chat_record_is_refused_in_one_line_naming_file_and_line(case, tmp_path):
     line, why = BAD[case]
@@ -306,6 +307,7 @@ def test_bad_data_at_two_ranks_is_one_line_and_exit_2(objective, layout, tmp_pat
     assert p.returncode == 2 and len(lines) <= 2 and f"{path}:2" in lines[0] and "not JSON" in lines[0], p.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_chat_data_with_pretraining_or_a_missing_file_is_refused(tmp_path):
     p = run_cli(TINY + ["--data.dataset=python_stdlib_chat"], tmp_path, check=False)
     assert p.returncode == 2 and "training.objective = \"sft\"" in p.stderr, p.stderr[-2000:]
@@ -315,6 +317,7 @@ def test_chat_data_with_pretraining_or_a_missing_file_is_refused(tmp_path):
     assert p.returncode == 2 and "data.chat_template" in p.stderr, p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_chat_parquet_reads_like_jsonl_and_a_damaged_file_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -336,6 +339,7 @@ def test_chat_parquet_reads_like_jsonl_and_a_damaged_file_is_named(tmp_path):
     assert p.returncode == 2 and len(errors) == 1 and str(bad) in errors[0] and "Parquet" in errors[0], p.stderr
 
 
+@pytest.mark.slow
 def test_initial_load_path_starts_from_another_runs_weights_only(tmp_path):
     """checkpoint.initial_load_path: with lr 0 the first validation equals the source run's last one
     (its final weights, exactly); step, optimizer and data start anew; a restart resumes the run's own

@@ -28,6 +28,7 @@ def test_guard_median_window_and_history():
     assert batch_samples(15, 4) == (56, 60) and batch_samples(1, 8, offset=3) == (3, 11)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["log", "skip"])
 def test_injected_spike_is_reported(action, tmp_path):
     p = run_cli(ARGS + [f"--training.on_loss_spike={action}"], tmp_path, env=SPIKE)

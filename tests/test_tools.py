@@ -28,6 +28,7 @@ def test_bench_writes_reports(tmp_path):
     assert os.path.getsize(tmp_path / "bench.png") > 1000
 
 
+@pytest.mark.slow
 def test_optimizer_sweep_prints_both_optimizers_and_their_ratio(tmp_path):
     """tools/optimizer_sweep.py: one run per (optimizer, lr), a row each, each optimizer's best lr and the
     ratio of the best losses; sweep.json holds the rows (docs/optimizers.md quotes its output)."""

@@ -9,6 +9,7 @@ import pytest
 from conftest import FP32_PARITY, ROOT, TINY, assert_parity, read_metrics, run_cli
 
 
+@pytest.mark.slow
 def test_cli_trains_and_logs(tmp_path):
     p = run_cli(TINY + ["--training.steps=30", "--metrics.enable_tensorboard=true", "--validation.enable=true",
                         "--validation.freq=15", "--validation.steps=2", "--metrics.log_freq=5"], tmp_path)
@@ -102,6 +103,7 @@ print(before, keep_freed_memory(), faults())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_cpu_runs_keep_freed_memory_instead_of_faulting_it_back():
     """job.cpu_keep_freed_memory (on by default on CPU): with glibc's defaults the 48 MiB freed at the

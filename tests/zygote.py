@@ -48,6 +48,7 @@ def _child(req: dict, listener: socket.socket, conns) -> None:
     """In the forked child: become the requested `python -m MODULE ARGS` and never return."""
     code = 1
     try:
+        os.setsid()  # a process group of its own: the suite kills the run with everything it started
         listener.close()
         for c in conns:
             c.close()

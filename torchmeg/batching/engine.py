@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from torchmeg.batching.metrics import Metrics
+from torchmeg.batching.metrics import NoMetrics
 from torchmeg.batching.output import OutputProcessor
 from torchmeg.batching.runner import ModelRunner
 from torchmeg.batching.sampler import prompt_logprobs, sample_rows, token_logprobs
@@ -31,11 +31,11 @@ log = logging.getLogger("torchmeg.serve")
 
 class Engine:
     def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
-                 prefill_tokens: int = 2048, channel=None):
+                 prefill_tokens: int = 2048, channel=None, metrics=None):
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
         self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
         self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler)
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else NoMetrics()  # a server's: batching.metrics.Metrics
         self.output = OutputProcessor(tokenizer, self.metrics)
         self.channel = channel  # TP: sends each Plan to the other ranks
         self.cond = threading.Condition()
@@ -101,6 +101,9 @@ class Engine:
     def step(self) -> None:
         with self.cond:
             plan, chunks, decoding, decode_rows = self.scheduler.schedule()
+            dropped = self.scheduler.take_dropped()
+        for job in dropped:  # cancelled: its end is an event like any other (vLLM's "abort"), so the
+            self.output.finish(job, "abort")  # API process and the relay forget it and its place is free
         if not (plan.prefill or plan.rows or plan.moves):
             return
         # a chunk that completes its prompt gives its sequence's first token

@@ -1,13 +1,17 @@
 """The server's Prometheus metrics (GET /metrics), with prometheus_client, named as vLLM names its
 own with torchmeg's prefix: requests running and waiting, KV cache use, prompt and generation
 tokens, finished requests by reason, and the latency histograms a serving dashboard plots: time to
-first token, inter-token latency, end-to-end request latency. Each engine has its own registry.
+first token, inter-token latency, end-to-end request latency. Each server has its own registry.
+
+prometheus_client is the serve extra's, imported when a server builds its `Metrics`: the engine that
+GRPO's rollouts run in the training processes counts nothing (`NoMetrics`, the same calls), so the
+core install trains without it.
 """
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from torchmeg.config.extras import need
 
 # vLLM's buckets (seconds)
 _TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -17,6 +21,10 @@ _E2E = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50
 
 class Metrics:
     def __init__(self):
+        prom = need("prometheus_client", "serve", "the server's /metrics")
+        CollectorRegistry, Counter, Gauge, Histogram = (prom.CollectorRegistry, prom.Counter, prom.Gauge,
+                                                        prom.Histogram)
+        self._render = prom.generate_latest
         r = self.registry = CollectorRegistry()
         self.running = Gauge("torchmeg_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("torchmeg_num_requests_waiting", "Sequences waiting for a slot", registry=r)
@@ -24,7 +32,7 @@ class Metrics:
         self.requests = Counter("torchmeg_requests", "Sequences submitted", registry=r)
         self.rejected = Counter("torchmeg_rejected", "Sequences refused: the queue was full", registry=r)
         self.prompt_tokens = Counter("torchmeg_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generation_tokens = Counter("torchmeg_generation_tokens", "Tokens generated (completion tokens: an end-of-sequence token not included)", registry=r)
+        self.generation_tokens = Counter("torchmeg_generation_tokens", "Tokens generated (completion tokens, an end-of-sequence token included)", registry=r)
         self.steps = Counter("torchmeg_steps", "Engine steps (forwards of the continuous batch)", registry=r)
         self.success = Counter("torchmeg_request_success", "Sequences finished, by reason", ["finished_reason"],
                                registry=r)
@@ -51,4 +59,32 @@ class Metrics:
         self.e2e.observe(time.monotonic() - job.arrived)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self._render(self.registry)
+
+
+class _Nothing:
+    def inc(self, *_):
+        pass
+
+    def observe(self, *_):
+        pass
+
+    def set(self, *_):
+        pass
+
+    def labels(self, **_):
+        return self
+
+
+class NoMetrics:
+    """Metrics' calls, counting nothing: an engine that no server exports (GRPO's rollouts)."""
+    rejected = requests = prompt_tokens = generation_tokens = steps = success = _Nothing()
+
+    def set_load(self, running: int, waiting: int, used: int, capacity: int) -> dict:
+        return dict(running=running, waiting=waiting)
+
+    def token(self, job, now: float) -> None:
+        job.last = now
+
+    def finished(self, job, reason: str) -> None:
+        pass

@@ -49,8 +49,15 @@ class OutputProcessor:
         if self.metrics is not None:
             self.metrics.token(job, now)
         if token in job.eos_ids:
+            # As vLLM gives it: the end-of-text token is in the ids, the log-probs and the token count,
+            # not in the text (an evaluator reading token_logprobs[ctxlen:-1] drops the last one it gets).
+            # `job.tokens` keeps the text's tokens; `stop_token` holds this one (RL rollouts append it).
             job.stop_token = (token, score)
-            return self.finish(job, "stop")
+            if score is not None:
+                job.token_logprobs.append(score)
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc()
+            return self.finish(job, "stop", ids=[token])
         if score is not None:
             job.token_logprobs.append(score)  # (before on_event: the API reads it for this token)
         job.tokens.append(token)

@@ -1,6 +1,8 @@
 """Continuous batching's decisions: which sequences run in the next forward, in which slots.
 
-Every step (`Scheduler.schedule`): cancelled and finished sequences leave; the running sequences
+Every step (`Scheduler.schedule`): cancelled and finished sequences leave (a cancelled one, running
+or waiting, is handed back through `take_dropped` to be finished as "abort", so whoever waits on it
+hears its end); the running sequences
 are kept in slots 0..n-1 (the last one moves into a hole: one copy per departure, `Plan.moves`, so
 the decode step reads the cache as a view); then prompt tokens are scheduled under a budget of
 `prefill_tokens` per step: first the next chunk of prompts already being prefilled, then new
@@ -31,7 +33,7 @@ class QueueFull(Exception):
 class Job:
     """One sequence to generate. `on_event(text, token_ids, finish_reason)` is called from the
     engine's thread with each step's new text (and the finish reason at the end: "stop" | "length",
-    or "error: ..." when the step failed)."""
+    "abort" when it was cancelled, or "error: ..." when the step failed)."""
     prompt: list[int]
     max_tokens: int
     sampling: Sampling
@@ -54,7 +56,8 @@ class Job:
     sent: int = 0
     stream: int = 0          # its random stream (batching.generation.row_streams)
     finish_reason: str | None = None
-    token_logprobs: list = field(default_factory=list)  # per generated token: (logprob, [(token, logprob)...])
+    # per generated token, and the end-of-text token that ended it: (logprob, [(token, logprob)...])
+    token_logprobs: list = field(default_factory=list)
     prompt_token_logprobs: list = field(default_factory=list)  # per prompt token after the first, alike
     arrived: float = 0.0     # monotonic seconds: submitted, last token (the metrics' latencies)
     last: float = 0.0
@@ -89,6 +92,11 @@ class Scheduler:
         self.max_len, self.filler = max_len, filler
         self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding)
         self.waiting: deque[Job] = deque()
+        self.dropped: list[Job] = []        # cancelled jobs taken out, not yet told (Engine.step: "abort")
+
+    def take_dropped(self) -> list[Job]:
+        out, self.dropped = self.dropped, []
+        return out
 
     def add(self, job: Job) -> None:
         if len(self.waiting) >= self.max_queue:
@@ -104,6 +112,11 @@ class Scheduler:
         for slot, job in list(self.running.items()):
             if job.cancelled or job.finish_reason is not None:
                 del self.running[slot]
+                if job.finish_reason is None:
+                    self.dropped.append(job)
+        if any(j.cancelled for j in self.waiting):  # (they held a queue place until now)
+            self.dropped += [j for j in self.waiting if j.cancelled]
+            self.waiting = deque(j for j in self.waiting if not j.cancelled)
         plan = Plan(moves=self._compact())
         budget, chunks = self.prefill_tokens, []
         for job in sorted(self.running.values(), key=lambda j: j.slot):  # prompts being prefilled go on
@@ -112,8 +125,6 @@ class Scheduler:
                 chunks.append(job)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             job = self.waiting.popleft()
-            if job.cancelled:
-                continue
             job.slot = len(self.running)  # (slots 0..n-1 are taken: the compaction above)
             job.stream = int(row_streams([job.prompt], job.sample_index)[0])
             self.running[job.slot] = job

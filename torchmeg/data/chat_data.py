@@ -45,7 +45,8 @@ def read_json_records(path: str):
             import pyarrow.parquet as pq  # lazy: an optional extra (data), for Parquet input only
             rows = pq.read_table(path).to_pylist()
         except ImportError:
-            raise ChatDataError(f"{path}: reading Parquet needs pyarrow (pip install -e '.[data]')") from None
+            raise ChatDataError(f"{path}: reading Parquet needs pyarrow, which is not installed: pip install "
+                                f"'torchmeg[data]' (from a checkout: pip install -e '.[data]')") from None
         except Exception as e:  # pyarrow raises several types for damaged files
             raise ChatDataError(f"{path}: not a readable Parquet file ({e})") from None
         for row, record in enumerate(rows):

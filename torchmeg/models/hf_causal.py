@@ -28,6 +28,7 @@ from torch import nn
 
 from torchmeg.config.schema import coerce
 from torchmeg.config.errors import ConfigError
+from torchmeg.config.extras import need
 from torchmeg.models.blocks import find_blocks, fqn_matches
 
 
@@ -64,7 +65,7 @@ def config_path(path: str) -> str:
 def load_config(path: str, overrides: dict, padded_vocab: int | None = None):
     """The transformers config of `path` with [model] overrides applied (any config field; vocab_size
     -1 = `padded_vocab`, the tokenizer's vocabulary padded as for torchmeg's own models)."""
-    from transformers import AutoConfig  # lazy: transformers is heavy and only `hf` models need it
+    AutoConfig = need("transformers", "hf", 'model.name = "hf"').AutoConfig  # lazy: heavy, only `hf` needs it
     p = config_path(path)
     try:
         with open(p) as fh:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from torchmeg.config.errors import ConfigError
+from torchmeg.config.extras import need
 from torchmeg.config.schema import load_config
 from torchmeg.data.chat import chat_template
 from torchmeg.inference.generate import inference_config
@@ -77,12 +78,8 @@ def prepare(argv: list[str]):
             raise ConfigError(f"{flag} {v}: must be >= {lo}")
     if a.max_model_len > limit:
         raise ConfigError(f"--max-model-len {a.max_model_len}: beyond the model's max_seq_len {limit}; lower it")
-    try:
-        import fastapi  # noqa: F401  lazy: the serve extra
-        import prometheus_client  # noqa: F401  lazy: the serve extra
-        import uvicorn  # noqa: F401  lazy: the serve extra
-    except ImportError as e:
-        raise ConfigError(f"serving needs the serve extra ({e.name} is missing): pip install -e '.[serve]'") from None
+    for module in ("fastapi", "uvicorn", "prometheus_client"):  # before any weight is read
+        need(module, "serve", "python -m torchmeg.serve")
     try:
         template, template_error = chat_template(cfg), ""
     except ConfigError as e:
@@ -91,7 +88,7 @@ def prepare(argv: list[str]):
 
 
 def run(prepared) -> None:
-    from torchmeg.batching.engine import Engine  # lazy: prometheus_client (the serve extra, checked in prepare)
+    from torchmeg.batching.engine import Engine  # lazy: the engine's parts load only once the recipe is checked
     a, cfg, layout, template, template_error = prepared
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     model, device = loaded.built.model, loaded.device

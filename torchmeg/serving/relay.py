@@ -18,6 +18,15 @@ from torchmeg.serving.frontend import FrontendSpec
 from torchmeg.serving.frontend import main as frontend_main
 
 
+def cancel(engine, jobs: dict, key: int) -> None:
+    """The API's cancel of `key`: the engine's thread pops a job from `jobs` when it finishes, between
+    any two of this thread's steps, so the job is read once (`key in jobs` then `jobs[key]` raised
+    KeyError when the finish fell between them, ending the thread that reads requests: a silent hang)."""
+    job = jobs.get(key)
+    if job is not None:
+        engine.cancel(job)
+
+
 def serve(engine, spec: FrontendSpec) -> None:
     ctx = mp.get_context("spawn")  # (a fresh interpreter: no model, no CUDA context, no threads of ours)
     ours, theirs = ctx.Pipe()
@@ -56,8 +65,8 @@ def serve(engine, spec: FrontendSpec) -> None:
                     job.on_event = on_event_for(key, job)
                     jobs[key] = job
                     engine.submit(job)
-                elif key in jobs:
-                    engine.cancel(jobs[key])
+                else:
+                    cancel(engine, jobs, key)
         except (EOFError, OSError):
             pass
         for job in list(jobs.values()):  # nobody is listening for them any more

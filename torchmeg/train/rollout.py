@@ -88,7 +88,8 @@ def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices:
         tokens, logps = list(j.tokens), [s[0] for s in j.token_logprobs]
         if j.stop_token is not None:  # the end-of-sequence token is part of what the model wrote
             tokens.append(j.stop_token[0])
-            logps.append(j.stop_token[1][0] if j.stop_token[1] is not None else float("nan"))
+            if j.stop_token[1] is None:  # (scored, its log-prob is token_logprobs' last already)
+                logps.append(float("nan"))
         out.append(Rollout(tokens, logps, j.text, j.finish_reason == "length"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -1,0 +1,93 @@
+"""The suite's own guarantees (tests/processes.py), shown on an inner pytest session built here:
+- a test that times out leaves no process behind: its run, forked by the test zygote or started fresh,
+  and the child that run started are all gone when the test ends (counted by a later test of the same
+  session, before the session's own clean-up could hide a leak);
+- a test not marked slow that starts a process fails, naming itself (the quick tier launches none).
+Before tests/processes.py the zygote's fork of a timed-out test trained on in the background (an
+orphan of the fork server), slowing every test after it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import ROOT
+
+INNER = '''
+import os, subprocess, sys
+import pytest
+from conftest import _run_one, _zygote_for
+
+TOKEN, STARTED = os.environ["HYGIENE_TOKEN"], os.environ["HYGIENE_STARTED"]
+STUCK = [sys.executable, "-m", "tests.stuck_run", TOKEN, STARTED]
+
+
+def alive():
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            n += TOKEN.encode() in open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            pass
+    return n
+
+
+def test_a_quick_test_that_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"])
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    _zygote_for(dict(os.environ))  # started (imports) before the timed call
+
+
+@pytest.mark.slow
+def test_times_out_in_a_forked_run(zygote):
+    _run_one(STUCK, dict(os.environ), timeout=600)
+
+
+@pytest.mark.slow
+def test_times_out_in_a_fresh_process():
+    _run_one(STUCK, dict(os.environ, TORCHMEG_TEST_NO_ZYGOTE="1"), timeout=600)
+
+
+def test_count():
+    open(os.environ["HYGIENE_COUNT"], "w").write(str(alive()))
+'''
+
+
+def _alive(token: str) -> int:
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                n += token.encode() in fh.read()
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.slow
+def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp_path):
+    token = f"torchmeg-hygiene-{uuid.uuid4().hex}"
+    started, count = tmp_path / "started", tmp_path / "count"
+    started.mkdir()
+    (tmp_path / "test_inner.py").write_text(INNER)
+    assert _alive(token) == 0
+    env = dict(os.environ, HYGIENE_TOKEN=token, HYGIENE_STARTED=str(started), HYGIENE_COUNT=str(count),
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
+    # The timeout covers the test's call only: the zygote starts (imports) in a fixture before it.
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                        "--timeout=8", "-o", "timeout_func_only=true", "--rootdir", str(tmp_path),
+                        str(tmp_path / "test_inner.py")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=240)
+    out = p.stdout + p.stderr
+    assert p.returncode == 1 and "3 failed, 1 passed" in out, out[-4000:]
+    assert "test_a_quick_test_that_starts_a_process starts a process" in out and "mark it @pytest.mark.slow" in out
+    assert out.count("Timeout") >= 2, out[-4000:]
+    assert len(os.listdir(started)) == 2  # both stuck runs ran (and started their children) before the timeout
+    assert count.read_text() == "0", f"{count.read_text()} processes of the timed-out tests were still alive"
+    assert _alive(token) == 0
