@@ -20,7 +20,7 @@ B, T, V = 6, 7, 11  # rows, completion positions, vocabulary
 
 
 def _trl_loss(logits, ids, mask, adv, loss_type, beta, eps, eps_high, temperature, old=None, ref=None, is_ratio=None,
-              max_completion_length=T):
+              max_completion_length=T, bias_correction_kl=True):
     """TRL 1.16's GRPOTrainer._compute_loss itself on these logits (a stand-in for its model returns
     TRL's own selective_log_softmax / entropy of logits / temperature; every other input is what its
     trainer would pass, one process, no accumulation) -> the loss."""
@@ -40,7 +40,7 @@ def _trl_loss(logits, ids, mask, adv, loss_type, beta, eps, eps_high, temperatur
         current_gradient_accumulation_steps=1, max_completion_length=max_completion_length,
         accelerator=types.SimpleNamespace(num_processes=1, gather=same, gather_for_metrics=same, reduce=same,
                                           sync_gradients=True),
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1),
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=bias_correction_kl, steps_per_generation=1),
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
     inputs = {"prompt_ids": torch.zeros(B, 3, dtype=torch.long), "prompt_mask": torch.ones(B, 3),
               "completion_ids": ids, "completion_mask": mask, "advantages": adv, "num_items_in_batch": mask.sum()}
@@ -64,16 +64,19 @@ def _trl_is_ratio(old, sampling, mask, mode, cap):
     return ratio.masked_fill((ratio < -math.inf) | (ratio > cap), value=0.0)
 
 
-# (loss_type, beta, epsilon_high, old log-probs given (num_iterations > 1), importance sampling)
-CASES = [("grpo", 0.0, 0.2, False, "none"), ("dr_grpo", 0.0, 0.2, False, "none"), ("dapo", 0.0, 0.28, False, "none"),
-         ("bnpo", 0.0, 0.2, False, "none"), ("grpo", 0.04, 0.2, True, "none"), ("dapo", 0.1, 0.28, True, "none"),
-         ("dr_grpo", 0.04, 0.2, True, "token_truncate"), ("dapo", 0.0, 0.28, True, "token_mask"),
-         ("grpo", 0.0, 0.2, True, "sequence_truncate"), ("dapo", 0.0, 0.2, False, "sequence_mask")]
+# (loss_type, beta, epsilon_high, old log-probs given (num_iterations > 1), importance sampling, TRL's
+# use_bias_correction_kl: its default True unless a case names False)
+CASES = [("grpo", 0.0, 0.2, False, "none", True), ("dr_grpo", 0.0, 0.2, False, "none", True),
+         ("dapo", 0.0, 0.28, False, "none", True), ("bnpo", 0.0, 0.2, False, "none", True),
+         ("grpo", 0.04, 0.2, True, "none", True), ("dapo", 0.1, 0.28, True, "none", True),
+         ("dapo", 0.04, 0.2, False, "none", True), ("grpo", 0.04, 0.2, True, "none", False),
+         ("dr_grpo", 0.04, 0.2, True, "token_truncate", True), ("dapo", 0.0, 0.28, True, "token_mask", True),
+         ("grpo", 0.0, 0.2, True, "sequence_truncate", True), ("dapo", 0.0, 0.2, False, "sequence_mask", True)]
 
 
-@pytest.mark.parametrize("loss_type, beta, eps_high, with_old, sampling_mode", CASES,
+@pytest.mark.parametrize("loss_type, beta, eps_high, with_old, sampling_mode, bias_kl", CASES,
                          ids=["-".join(map(str, c)) for c in CASES])
-def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, sampling_mode):
+def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, sampling_mode, bias_kl):
     """The loss and d loss / d logits = TRL's for a fixed batch: completions with padding, old
     log-probs far enough from the current ones that both clip sides engage, a reference, the
     engine's log-probs off by a little (the importance-sampling ratio)."""
@@ -96,12 +99,13 @@ def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, s
                             1e-12, "importance ratio")
 
     x1 = logits.clone().requires_grad_(True)
-    want, trl_metrics = _trl_loss(x1, ids, mask, adv, loss_type, beta, 0.2, eps_high, temperature, old, ref, trl_ratio)
+    want, trl_metrics = _trl_loss(x1, ids, mask, adv, loss_type, beta, 0.2, eps_high, temperature, old, ref, trl_ratio,
+                                  bias_correction_kl=bias_kl)
     want.backward()
 
     # torchmeg's rows: a completion's token k is the target at position k (IGNORE past its end)
     labels = ids.masked_fill(mask == 0, IGNORE)
-    loss_fn = GRPOLoss(loss_type, beta, 0.2, eps_high, temperature, T, sampling_mode, cap)
+    loss_fn = GRPOLoss(loss_type, beta, 0.2, eps_high, temperature, T, sampling_mode, cap, bias_correction_kl=bias_kl)
     loss_fn.token_scale = 1.0 / mask.sum().item()  # dapo: one rank, one microbatch: 1 / the batch's tokens
     loss_fn.see((None, None, RolloutRows(adv, sampling, old, ref)))
     x2 = logits.clone().requires_grad_(True)
@@ -343,3 +347,52 @@ def test_a_resume_keeps_the_reference_of_the_start_with_lora(tmp_path):
     resumed = read_metrics(tmp_path, "resumed")
     assert straight[-1]["kl"] > 0
     assert_parity(straight, resumed, keys=("loss", "grad_norm", "kl"), steps=[3, 4])
+
+
+def test_prompts_are_tokenized_as_trl_tokenizes_them(tmp_path):
+    """A standard prompt is tokenized as the tokenizer is configured (a Llama-3 style tokenizer.json
+    whose post-processor adds a BOS: transformers' `tokenizer(text)`, what TRL feeds its model); a
+    conversational one as apply_chat_template renders and tokenizes it (specials as text, none added).
+    Every column of the set reaches the reward functions, None where a record lacks it (as TRL's
+    datasets give it): a missing column no longer shifts the next records' values onto this one's."""
+    from tokenizers import Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import byte_level_bpe
+    from torchmeg.data.chat import ChatTemplate
+    from torchmeg.data.prompts import PromptSet
+    from torchmeg.data.tokenizer import HFTokenizer
+    path = tmp_path / "tokenizer.json"
+    byte_level_bpe(path, 400, ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"])
+    tok = Tokenizer.from_file(str(path))
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(path))
+    records = [{"prompt": "What does json.loads do?", "answer": "parse"}, {"prompt": "Name a textwrap function."},
+               {"messages": [{"role": "user", "content": "Say hi."}], "answer": "hi", "level": 2}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    template = ChatTemplate.load("chatml")
+    ps = PromptSet([str(tmp_path / "p.jsonl")], HFTokenizer(str(path)), template, 100, 200, 8, 0)
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    for item, r in zip(ps.items[:2], records):
+        assert item.ids == hf(r["prompt"])["input_ids"] and item.ids[0] == bos, (item.ids, r)
+    rendered = template.render(records[2]["messages"], add_generation_prompt=True)
+    assert ps.items[2].ids == hf(rendered, add_special_tokens=False)["input_ids"]
+    assert ps.columns == ["answer", "level"]
+    assert [p.columns.get("answer") for p in ps.items] == ["parse", None, "hi"]
+
+
+def test_a_reward_that_is_not_finite_is_one_line_naming_function_and_step():
+    """NaN trained on silently (reward nan, gradient 0) and an inf zeroed its group's advantages: both
+    are refused with the function, the completion and the step named; None stays "does not apply"."""
+    from torchmeg.train.rewards import RewardError, call_rewards
+
+    def make(v):
+        return lambda prompts, completions, **kw: [1.0, v]
+
+    assert math.isnan(call_rewards([("ok", make(None))], ["p", "p"], ["a", "b"], [[1], [2]], {}, 3)[1][0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(RewardError, match=r"^reward function 'acc' returned (nan|inf|-inf) for completion 1 at "
+                                              r"step 3; a reward is a finite float, or None where it does not apply$"):
+            call_rewards([("acc", make(bad))], ["p", "p"], ["a", "b"], [[1], [2]], {}, 3)

@@ -269,6 +269,8 @@ class Grpo:
                         help="token normalization: grpo per sequence; dr_grpo by rows x max_completion_length; dapo "
                              "by the global batch's completion tokens (TRL's default); bnpo by each microbatch's")
     beta: float = _f(0.0, lo=0.0, help="KL weight to the reference (the starting weights); 0 = no reference kept")
+    use_bias_correction_kl: bool = _f(True, help="the KL term times the importance ratio (TRL's default: the unbiased "
+                                                 "reverse-KL gradient of DeepSeek-V3.2); false = TRL before 1.x")
     epsilon: float = _f(0.2, lo=0.0, help="clip range below 1 of the ratio")
     epsilon_high: float = _f(-1.0, help="clip range above 1 (DAPO: 0.28); -1 = epsilon")
     num_iterations: int = _f(1, lo=1, help="optimizer steps per batch of rollouts (PPO epochs, TRL's mu)")

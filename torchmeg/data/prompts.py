@@ -1,7 +1,8 @@
 """Prompts for online RL (training.objective = "grpo"): records -> token ids, the text the reward
 functions see, and every other column, handed to them as TRL hands them.
 
-A record is `{"prompt": "text"}` (used as it is, as TRL uses a standard prompt) or `{"messages": [...]}`
+A record is `{"prompt": "text"}` (used as it is and tokenized as the tokenizer is configured, its BOS
+included where its post-processor adds one, as TRL tokenizes a standard prompt) or `{"messages": [...]}`
 (a conversation, rendered with the chat template and its generation prompt: TRL's conversational
 format), JSON lines or Parquet rows; or the built-in `python_stdlib_names`
 (torchmeg.data.name_task). Every other key of a record is a column: its value reaches the reward
@@ -58,6 +59,8 @@ class PromptSet:
         for path in paths:
             for where, record in records(path):
                 self.items.append(self._encode(record, where, tokenizer, template, max_prompt_length))
+        # the columns of every record, in first-seen order: a record without one hands it on as None (TRL)
+        self.columns = list(dict.fromkeys(k for p in self.items for k in p.columns))
         if not self.items:
             raise ChatDataError(f"{', '.join(paths)}: no prompts (a record per line: {{\"prompt\": ...}} or "
                                 f"{{\"messages\": [...]}})")
@@ -81,7 +84,10 @@ class PromptSet:
             text = shown = record["prompt"]
         else:
             raise ChatDataError(f"{where}: no prompt (a non-empty 'prompt' string or a 'messages' list)")
-        ids = [int(i) for i in token_offsets(tokenizer, text)[0]]
+        if shown is text:  # a standard prompt: tokenized as the tokenizer is configured (its BOS), as TRL does
+            ids = tokenizer.encode_with_specials(text)
+        else:  # a rendered conversation holds its special tokens as text already (apply_chat_template's ids)
+            ids = [int(i) for i in token_offsets(tokenizer, text)[0]]
         if not ids:
             raise ChatDataError(f"{where}: the prompt is empty once tokenized")
         if len(ids) > max_prompt_length:

@@ -21,6 +21,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_with_specials(self, text: str) -> list[int]:
+        return self.encode(text)  # (no special token is added to a text)
+
     def encode_np(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
 
@@ -56,6 +59,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_specials(self, text: str) -> list[int]:
+        """As the tokenizer is configured: its post-processor's special tokens added (a Llama-3 style
+        tokenizer.json's BOS), what `tokenizer(text)` gives in transformers. Documents are encoded
+        without them (`encode`); a prompt a user writes is encoded with them (GRPO's, as TRL does)."""
+        return self.tok.encode(text, add_special_tokens=True).ids
 
     def encode_np(self, text: str) -> np.ndarray:
         return np.asarray(self.encode(text), dtype=np.int64)

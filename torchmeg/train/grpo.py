@@ -97,10 +97,8 @@ class GRPOBatches:
         texts = [self._cut(o.text) for o in outs]
         completions = [[{"role": "assistant", "content": x}] if isinstance(p.prompt, list) else x
                        for x, p in zip(texts, rows)]
-        columns: dict = {}
-        for p in rows:
-            for key, v in p.columns.items():
-                columns.setdefault(key, []).append(v)
+        # every column of the prompt set, None where a record lacks it (a missing one shifted the others')
+        columns = {key: [p.columns.get(key) for p in rows] for key in self.prompts.columns}
         rewards = call_rewards(self.funcs, [p.prompt for p in rows], completions, [o.completion for o in outs],
                                columns, self.step)
         local = torch.tensor([r + [len(o.completion), float(o.truncated)] for r, o in zip(rewards, outs)],

@@ -8,6 +8,9 @@ rollouts' temperature, old the same before this batch's first update, A_i the ro
     loss_t = -min(ratio x A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) x A_i)
              x is_ratio_t                           (truncated importance sampling, optional)
              + beta x (exp(ref - logp) - (ref - logp) - 1)   (KL to the reference, beta > 0)
+               x ratio                              (use_bias_correction_kl, TRL's default: the unbiased
+                                                     reverse-KL gradient, DeepSeek-V3.2; differentiable,
+                                                     so it moves the gradient even where ratio = 1)
 
 and the token normalization of `loss_type` over the GLOBAL batch, so that every layout and
 accumulation gives one number: grpo: each row's token mean, averaged over the batch's rows; dr_grpo:
@@ -60,8 +63,10 @@ class GRPOLoss:
     """`see(batch)` gives it the microbatch's RolloutRows; `token_scale` (dapo) is set per step."""
 
     def __init__(self, loss_type: str, beta: float, epsilon: float, epsilon_high: float, temperature: float,
-                 max_completion_length: int, importance_sampling: str = "none", cap: float = 3.0):
+                 max_completion_length: int, importance_sampling: str = "none", cap: float = 3.0,
+                 bias_correction_kl: bool = True):
         self.loss_type, self.beta, self.temperature = loss_type, beta, temperature
+        self.bias_correction_kl = bias_correction_kl
         self.eps_low, self.eps_high = epsilon, epsilon if epsilon_high < 0 else epsilon_high
         self.max_completion_length, self.importance_sampling, self.cap = max_completion_length, importance_sampling, cap
         self.rows: RolloutRows | None = None
@@ -90,6 +95,8 @@ class GRPOLoss:
         if self.beta != 0.0:
             d = r.ref - logp
             kl = torch.exp(d) - d - 1
+            if self.bias_correction_kl:
+                kl = kl * coef_1
             per_token = per_token + self.beta * kl
         masked = per_token * mask
         if self.loss_type == "grpo":

@@ -6,7 +6,8 @@ before anything launches, called as TRL's GRPOTrainer calls them:
 
 (every record column other than the prompt as a keyword list, one value per completion), so a reward
 function written for TRL runs here unchanged. A function that raises, returns the wrong count, or a
-value that is not a number fails the step with one line naming it.
+value that is not a finite number fails the step with one line naming it. A column a record lacks
+reaches the functions as None for that record (as TRL's datasets give it).
 """
 from __future__ import annotations
 
@@ -75,5 +76,9 @@ def call_rewards(funcs, prompts: list, completions: list, completion_ids: list[l
             if isinstance(v, (str, bytes)) or not hasattr(v, "__float__"):
                 raise RewardError(f"reward function {name!r} returned {v!r} ({type(v).__name__}) for completion {i}; "
                                   f"a reward is a float (or None)")
+            if not math.isfinite(float(v)):  # (a NaN trained on silently: reward nan, gradient 0; an inf
+                raise RewardError(          # zeroed its group's advantages)
+                    f"reward function {name!r} returned {float(v)} for completion {i} at step {step}; a reward is a "
+                    f"finite float, or None where it does not apply")
             out[i][j] = float(v)
     return out
