@@ -188,3 +188,31 @@ def test_conversion_streams_one_tensor_at_a_time(tmp_path):
     print(f"peak RSS {peak:.0f} MiB vs {base:.0f} MiB for a {small / 2 ** 20:.0f} MiB model; "
           f"the model: {big / 2 ** 20:.0f} MiB")
     assert peak - base < 0.25 * big / 2 ** 20, (peak, base, big / 2 ** 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing scale", "grid of other blocks"])
+def test_a_damaged_fp8_release_is_refused_before_anything_is_written(damage, tmp_path):
+    """convert from-hf on a Qwen3-FP8-shaped release with one scale missing, or one quantized with
+    other blocks than its config.json declares: one line naming the tensor, exit 2, no --out folder
+    (before: a 56-line traceback from inside DCP's write, or the weights silently wrong)."""
+    block = [16, 32]
+    _hf_folder(tmp_path / "hf", "qwen3")
+    victim = []
+
+    def quantize(name, t):
+        if t.dim() != 2 or "embed_tokens" in name or "lm_head" in name:
+            return {name: t}
+        q, s = _fp8_quantize(t, block if victim or damage == "missing scale" else [8, 16])
+        if not victim:
+            victim.append(name)
+            return {name: q} if damage == "missing scale" else {name: q, name + "_scale_inv": s}
+        return {name: q, name + "_scale_inv": s}
+
+    _quantize_folder(tmp_path / "hf", quantize, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                                 "weight_block_size": block})
+    p = _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "out", check=False)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and victim[0] in lines[0], p.stderr[-3000:]
+    assert ("without a" if damage == "missing scale" else "weight_block_size [16, 32] blocks makes it") in lines[0]
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,6 @@ import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from torchmeg.checkpoint import lora_export
@@ -36,7 +35,7 @@ from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, f
 from torchmeg.checkpoint.hf import from_hf_state_dict, hf_names, to_hf_state_dict, torchmeg_fqns
 from torchmeg.checkpoint.hf_files import write_safetensors
 from torchmeg.checkpoint.hf_export import hf_config
-from torchmeg.checkpoint.hf_quant import FolderReader
+from torchmeg.checkpoint.hf_quant import FolderReader, header
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
@@ -57,14 +56,18 @@ def _hf_files(folder: str) -> dict[str, str]:
     """HF tensor name -> the safetensors file holding it."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        return {k: os.path.join(folder, f) for k, f in json.load(open(index))["weight_map"].items()}
+        try:
+            with open(index) as fh:
+                return {k: os.path.join(folder, f) for k, f in json.load(fh)["weight_map"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{index}: not a safetensors index (a JSON object whose weight_map maps each tensor to "
+                              f"its file: {type(e).__name__}: {e}); download it again") from None
     files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise ConfigError(f"{folder}: no .safetensors files (and no model.safetensors.index.json)")
     out = {}
     for f in files:
-        with safe_open(os.path.join(folder, f), "pt") as fh:
-            out.update({k: os.path.join(folder, f) for k in fh.keys()})
+        out.update({k: os.path.join(folder, f) for k in header(os.path.join(folder, f))})
     return out
 
 
@@ -128,7 +131,6 @@ def from_hf(a) -> None:
     config = json.load(open(cfg_path))
     native = native_model_keys(config) if a.family == "auto" else None
     rank, world = _rank_world()
-    os.makedirs(out, exist_ok=True)
     tok = os.path.join(src, "tokenizer.json")
     tokenizer = os.path.join(out, "tokenizer.json") if os.path.isfile(tok) else "byte"
     quant = (config.get("quantization_config") or {}).get("quant_method")
@@ -139,6 +141,7 @@ def from_hf(a) -> None:
                              f"model_type {config.get('model_type')!r} has no native family to dequantize them into"))
     if native is None:  # transformers' own modules read the folder themselves
         if rank == 0:
+            os.makedirs(out, exist_ok=True)
             _copy_tokenizer(src, out)
             write_recipe(os.path.join(out, "recipe.toml"), "hf", {"hf_config": src}, tokenizer, None, src)
             print(f"{config.get('model_type')}: no native family; wrote {out}/recipe.toml (model.name = \"hf\")")
@@ -147,6 +150,8 @@ def from_hf(a) -> None:
     cfg = load_config(None, [f"--model.name={name}"] + [f"--model.{k}={v}" for k, v in keys.items()])
     args = model_args(cfg, None)
     reader = FolderReader(_hf_files(src), config)  # (refuses a quantization it cannot read)
+    reader.check()  # every file, tensor and scale grid, before anything is written
+    os.makedirs(out, exist_ok=True)
     found = _targets(reader.keys(), args)
     if getattr(args, "mtp_depth", 0) and not any(f.startswith("mtp.") for f in found):
         # (transformers builds no MTP module, so the folders it writes hold none; DeepSeek's own do)

@@ -15,6 +15,8 @@ weights are not in torchmeg's reach without their own kernels' layouts.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from safetensors import safe_open
 
@@ -32,8 +34,21 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: list[int] | 
     if block is None or s.numel() == 1:
         return w * s
     rows, cols = w.shape[-2:]
+    grid = scale_grid(q.shape, block)
+    if tuple(s.shape) != grid:
+        raise ConfigError(f"a scale grid of {list(s.shape)} for a {list(q.shape)} weight: weight_block_size {block} "
+                          f"makes it {list(grid)}")
     s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
     return w.mul_(s)
+
+
+def scale_grid(shape, block: list[int]) -> tuple:
+    """The fp8 scale grid of a weight of `shape` in [rows, cols] blocks: ceil(rows / r) x ceil(cols / c)."""
+    *lead, rows, cols = shape
+    return (*lead, -(-rows // block[0]), -(-cols // block[1]))
+
+
+FLOAT8 = ("F8_E4M3", "F8_E5M2")  # safetensors' dtype names
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -72,6 +87,57 @@ class FolderReader:
     def keys(self) -> list[str]:
         return list(self.parts)
 
+    def check(self) -> None:
+        """Before anything is written: every file the folder names exists and opens, holds the tensors it
+        is named for, and every quantized tensor has its scales, of the shape the quantization implies
+        (read from the files' headers: no tensor is loaded). ConfigError naming the file or tensor."""
+        heads = {}
+        for path in sorted(set(self.files.values())):
+            if not os.path.isfile(path):
+                raise ConfigError(f"{path}: model.safetensors.index.json names it, but it is missing; download "
+                                  f"the folder again")
+            heads[path] = header(path)
+        meta = {}
+        for name, path in self.files.items():
+            if name not in heads[path]:
+                raise ConfigError(f"{path}: holds no {name} (model.safetensors.index.json names it there)")
+            meta[name] = heads[path][name]
+        for base, stored in self.parts.items():
+            if self.method == "fp8":
+                self._check_fp8(base, stored, meta)
+            elif self.method == "mxfp4" and base + "_blocks" in stored:
+                blocks = meta[base + "_blocks"][1]
+                if base + "_scales" not in stored:
+                    raise ConfigError(f"{self.files[base + '_blocks']}: {base}_blocks has no {base}_scales beside it")
+                if meta[base + "_scales"][1] != blocks[:-1]:
+                    raise ConfigError(f"{self.files[base + '_scales']}: {base}_scales is {meta[base + '_scales'][1]}; "
+                                      f"{base}_blocks {blocks} makes it {blocks[:-1]} (one scale per 32 values)")
+
+    def _check_fp8(self, base: str, stored: list[str], meta: dict) -> None:
+        scale = base + "_scale_inv"
+        if base not in meta:
+            raise ConfigError(f"{self.files[scale]}: {scale} has no {base} beside it")
+        dtype, shape = meta[base]
+        if scale not in stored:
+            if dtype in FLOAT8:
+                raise ConfigError(f"{self.files[base]}: {base} is stored in {dtype} without a {scale} (config.json's "
+                                  f"quantization_config does not describe it)")
+            return
+        if dtype not in FLOAT8:
+            raise ConfigError(f"{self.files[base]}: {base} has a {scale} but is stored in {dtype}, not float8 "
+                              f"(quantization_config.quant_method = 'fp8')")
+        got = meta[scale][1]
+        if self.block is None:
+            if int(torch.tensor(got).prod()) != 1:
+                raise ConfigError(f"{self.files[scale]}: {scale} is {got} but config.json declares no "
+                                  f"weight_block_size (one scale per tensor); the release's config is incomplete")
+            return
+        want = list(scale_grid(shape, self.block))
+        if got != want:
+            raise ConfigError(f"{self.files[scale]}: {scale} is {got}; a {shape} weight in weight_block_size "
+                              f"{self.block} blocks makes it {want} (a release quantized with other blocks, or a "
+                              f"wrong weight_block_size in config.json)")
+
     def _get(self, name: str) -> torch.Tensor:
         with safe_open(self.files[name], "pt") as fh:
             return fh.get_tensor(name)
@@ -90,3 +156,13 @@ class FolderReader:
             raise ConfigError(f"{self.files[name]}: {name} is stored in {t.dtype} without a {name}_scale_inv "
                               f"(config.json's quantization_config does not describe it)")
         return t
+
+
+def header(path: str) -> dict:
+    """{name: (safetensors dtype, shape)} from a file's header; ConfigError naming a file that cannot be read."""
+    try:
+        with safe_open(path, "pt") as fh:
+            return {k: (fh.get_slice(k).get_dtype(), list(fh.get_slice(k).get_shape())) for k in fh.keys()}
+    except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"{path}: not a readable safetensors file ({why}); download it again") from None
