@@ -21,18 +21,19 @@ def quick_start() -> str:
     return text[start:end if end > 0 else None]
 
 
-def blocks(section: str, lang: str) -> list[str]:
-    return re.findall(r"```" + lang + r"\n(.*?)```", section, re.S)
+def blocks(section: str) -> list[tuple[str, str]]:
+    """The fenced blocks in order: (language, body)."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", section, re.S | re.M)
 
 
 def command(n: int) -> str:
-    return blocks(quick_start(), "bash")[n - 1].strip()
+    return [body for lang, body in blocks(quick_start()) if lang == "bash"][n - 1].strip()
 
 
 def check(log_path: str) -> int:
-    section = quick_start()
-    shown = section[section.index(blocks(section, "bash")[0]):]
-    expected = blocks(shown, "")[0]
+    fenced = blocks(quick_start())
+    first = next(i for i, (lang, _) in enumerate(fenced) if lang == "bash")
+    expected = fenced[first + 1][1] if first + 1 < len(fenced) and not fenced[first + 1][0] else ""
     log = open(log_path, errors="replace").read()
     step = re.compile(r"^step +(\d+) \| loss ([\d.]+)", re.M)
     got = {int(s): float(v) for s, v in step.findall(log)}

@@ -105,31 +105,36 @@ def pytest_runtest_setup(item):
     if outcome.excinfo is not None:
         kill_groups("setup")
     else:
-        with _lock:  # the fixtures' processes: theirs to end, the session's if they do not
-            _groups["session"] |= _groups["setup"]
-            _groups["setup"] = set()
+        _to_session()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    _current.update(item=item, phase="call")
-    try:
+    with _phase(item, "call", lambda: kill_groups("call")):
         yield
-    finally:
-        kill_groups("call")
-        _current["phase"] = "teardown"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
-    _current.update(item=item, phase="setup")
+    with _phase(item, "setup", _to_session):  # (a fixture's teardown: as its setup)
+        yield
+    _current.update(item=None, phase="session")
+
+
+@contextlib.contextmanager
+def _phase(item, phase: str, after):
+    _current.update(item=item, phase=phase)
     try:
         yield
     finally:
-        with _lock:
-            _groups["session"] |= _groups["setup"]
-            _groups["setup"] = set()
-        _current.update(item=None, phase="session")
+        after()
+
+
+def _to_session() -> None:
+    """The fixtures' processes (set up or torn down): theirs to end, the session's if they do not."""
+    with _lock:
+        _groups["session"] |= _groups["setup"]
+        _groups["setup"] = set()
 
 
 def pytest_sessionfinish(session, exitstatus):
