@@ -284,3 +284,14 @@ def test_a_bf16_release_converts_to_bf16_by_default(tmp_path):
              "--training.local_batch_size=2", "--validation.enable=false", "--metrics.enable_tensorboard=false"],
             tmp_path, name="ft")
     assert read_metrics(tmp_path, "ft")[0]["loss"] > 0
+
+
+@pytest.mark.parametrize("positions, seq_len", [(128, 128), (4096, 256), (None, 256)])
+def test_a_converted_recipe_fits_its_models_context(positions, seq_len, tmp_path):
+    """A folder whose max_position_embeddings is under data.seq_len's default (256) converts to a recipe
+    whose seq_len is the model's context: generate, eval and serve take it as written (before, they
+    refused the converted model until the user passed --data.seq_len)."""
+    from torchmeg.checkpoint.convert import write_recipe
+    from torchmeg.config.schema import load_config
+    write_recipe(str(tmp_path / "recipe.toml"), "llama", {"dim": 64}, "byte", str(tmp_path / "ckpt"), "src", positions)
+    assert load_config(str(tmp_path / "recipe.toml")).data.seq_len == seq_len

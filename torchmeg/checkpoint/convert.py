@@ -39,6 +39,7 @@ from torchmeg.checkpoint.hf_quant import FolderReader, header
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config
+from torchmeg.config.sections import Data
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.models.args import instantiate, model_args
 from torchmeg.models.spec import get_spec
@@ -89,12 +90,19 @@ def _copy_tokenizer(src: str, out: str) -> None:
             shutil.copy(os.path.join(src, name), os.path.join(out, name))
 
 
-def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str) -> None:
+def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str,
+                 max_positions: int | None = None) -> None:
+    """The converted model's recipe; `max_positions` (config.json's max_position_embeddings): a context
+    shorter than data.seq_len's default sets seq_len to it, so generate, eval and serve take the model as
+    written (they refuse a seq_len beyond the model's context)."""
     lines = [f"# written by python -m {PROG} from-hf {source}", "[model]", f'name = "{name}"']
     if name != "hf":
         lines.append('flavor = "debug"  # every field of the model is set below')
     lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
-    lines += ["", "[data]", f"tokenizer = {_toml_value(tokenizer)}", "", "[checkpoint]", "enable = true"]
+    lines += ["", "[data]", f"tokenizer = {_toml_value(tokenizer)}"]
+    if isinstance(max_positions, int) and 2 <= max_positions < Data().seq_len:
+        lines.append(f"seq_len = {max_positions}  # the model's context (max_position_embeddings)")
+    lines += ["", "[checkpoint]", "enable = true"]
     if checkpoint:
         lines.append(f"folder = {_toml_value(checkpoint)}")
     else:
@@ -143,7 +151,8 @@ def from_hf(a) -> None:
         if rank == 0:
             os.makedirs(out, exist_ok=True)
             _copy_tokenizer(src, out)
-            write_recipe(os.path.join(out, "recipe.toml"), "hf", {"hf_config": src}, tokenizer, None, src)
+            write_recipe(os.path.join(out, "recipe.toml"), "hf", {"hf_config": src}, tokenizer, None, src,
+                         config.get("max_position_embeddings"))
             print(f"{config.get('model_type')}: no native family; wrote {out}/recipe.toml (model.name = \"hf\")")
         return
     name, keys = native
@@ -194,7 +203,8 @@ def from_hf(a) -> None:
                 "layout": f"converted by {PROG} ({world} process{'es' if world > 1 else ''})",
                 "tokenizer": build_tokenizer(tokenizer).fingerprint() if tokenizer != "byte" else ""}
         commit_folder(tmp, final, meta, file_records(tmp, os.listdir(tmp)))
-        write_recipe(os.path.join(out, "recipe.toml"), name, keys, tokenizer, ckpt, src)
+        write_recipe(os.path.join(out, "recipe.toml"), name, keys, tokenizer, ckpt, src,
+                     config.get("max_position_embeddings"))
         print(f"{config.get('model_type')} -> native {name}: wrote {final} and {out}/recipe.toml")
     if world > 1:
         dist.barrier()
