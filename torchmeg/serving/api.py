@@ -182,8 +182,7 @@ async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str
     for i, job in enumerate(jobs):
         job.on_event = lambda text, ids, reason, i=i: events.put_nowait((i, text, reason))
     try:
-        for job in jobs:
-            s.engine.submit(job)
+        s.engine.submit_all(jobs)  # (all n of a request, or none)
     except QueueFull as e:
         for job in jobs:
             s.engine.cancel(job)

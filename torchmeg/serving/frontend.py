@@ -38,12 +38,24 @@ class EngineClient:
     def start(self, loop) -> None:
         loop.add_reader(self.conn.fileno(), self._read)
 
+    def submit_all(self, jobs: list[Job]) -> None:
+        """A request's sequences (n of them) are admitted together or refused together: a request refused
+        halfway would have started sequences nobody waits for."""
+        if len(self.jobs) + len(jobs) > self.max_seqs + self.max_queue:
+            self.metrics.rejected.inc(len(jobs))
+            raise self._full()
+        for job in jobs:
+            self.submit(job)
+
+    def _full(self) -> QueueFull:
+        return QueueFull(f"{min(len(self.jobs), self.max_seqs)} sequences running and "
+                         f"{len(self.jobs) - min(len(self.jobs), self.max_seqs)} waiting "
+                         f"(--max-queue {self.max_queue}); retry later")
+
     def submit(self, job: Job) -> None:
         if len(self.jobs) >= self.max_seqs + self.max_queue:
             self.metrics.rejected.inc()
-            raise QueueFull(f"{min(len(self.jobs), self.max_seqs)} sequences running and "
-                            f"{len(self.jobs) - min(len(self.jobs), self.max_seqs)} waiting "
-                            f"(--max-queue {self.max_queue}); retry later")
+            raise self._full()
         key, self.next_key = self.next_key, self.next_key + 1
         job.key, job.arrived = key, time.monotonic()
         self.jobs[key] = job
