@@ -28,6 +28,9 @@ class Metrics:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("torchmeg_num_requests_running", "Sequences in the running batch", registry=r)
         self.waiting = Gauge("torchmeg_num_requests_waiting", "Sequences waiting for a slot", registry=r)
+        self.admitted = Gauge("torchmeg_num_requests_admitted", "Sequences the API process holds until their last "
+                              "event (running, waiting, or on their way to the engine): what --max-queue bounds",
+                              registry=r)
         self.cache_usage = Gauge("torchmeg_kv_cache_usage_perc", "Fraction of KV cache positions in use", registry=r)
         self.requests = Counter("torchmeg_requests", "Sequences submitted", registry=r)
         self.rejected = Counter("torchmeg_rejected", "Sequences refused: the queue was full", registry=r)
@@ -43,8 +46,10 @@ class Metrics:
         self.e2e = Histogram("torchmeg_e2e_request_latency_seconds", "Submission to the last token", buckets=_E2E,
                              registry=r)
 
-    def set_load(self, running: int, waiting: int, used: int, capacity: int) -> dict:
-        """The gauges, from the engine's counts (`used` of `capacity` KV cache positions)."""
+    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None) -> dict:
+        """The gauges, from the engine's counts (`used` of `capacity` KV cache positions); `admitted`: the
+        API process's own count (serving.frontend)."""
+        self.admitted.set(running + waiting if admitted is None else admitted)
         self.running.set(running)
         self.waiting.set(waiting)
         self.cache_usage.set(used / capacity)
@@ -80,7 +85,7 @@ class NoMetrics:
     """Metrics' calls, counting nothing: an engine that no server exports (GRPO's rollouts)."""
     rejected = requests = prompt_tokens = generation_tokens = steps = success = _Nothing()
 
-    def set_load(self, running: int, waiting: int, used: int, capacity: int) -> dict:
+    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None) -> dict:
         return dict(running=running, waiting=waiting)
 
     def token(self, job, now: float) -> None:

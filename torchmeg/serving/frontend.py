@@ -72,7 +72,8 @@ class EngineClient:
             self.conn.send(("cancel", job.key))
 
     def load(self) -> dict:
-        return dict(self.metrics.set_load(**self.stats, capacity=self.max_seqs * self.max_len), max_seqs=self.max_seqs)
+        return dict(self.metrics.set_load(**self.stats, capacity=self.max_seqs * self.max_len, admitted=len(self.jobs)),
+                    max_seqs=self.max_seqs)
 
     def _read(self) -> None:
         try:
