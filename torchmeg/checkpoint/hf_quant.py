@@ -15,6 +15,7 @@ weights are not in torchmeg's reach without their own kernels' layouts.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -108,7 +109,7 @@ class FolderReader:
             elif self.method == "mxfp4" and base + "_blocks" in stored:
                 blocks = meta[base + "_blocks"][1]
                 if base + "_scales" not in stored:
-                    raise ConfigError(f"{self.files[base + '_blocks']}: {base}_blocks has no {base}_scales beside it")
+                    raise self._no_scales(base)
                 if meta[base + "_scales"][1] != blocks[:-1]:
                     raise ConfigError(f"{self.files[base + '_scales']}: {base}_scales is {meta[base + '_scales'][1]}; "
                                       f"{base}_blocks {blocks} makes it {blocks[:-1]} (one scale per 32 values)")
@@ -120,15 +121,14 @@ class FolderReader:
         dtype, shape = meta[base]
         if scale not in stored:
             if dtype in FLOAT8:
-                raise ConfigError(f"{self.files[base]}: {base} is stored in {dtype} without a {scale} (config.json's "
-                                  f"quantization_config does not describe it)")
+                raise self._no_scale(base, dtype)
             return
         if dtype not in FLOAT8:
             raise ConfigError(f"{self.files[base]}: {base} has a {scale} but is stored in {dtype}, not float8 "
                               f"(quantization_config.quant_method = 'fp8')")
         got = meta[scale][1]
         if self.block is None:
-            if int(torch.tensor(got).prod()) != 1:
+            if math.prod(got) != 1:
                 raise ConfigError(f"{self.files[scale]}: {scale} is {got} but config.json declares no "
                                   f"weight_block_size (one scale per tensor); the release's config is incomplete")
             return
@@ -137,6 +137,13 @@ class FolderReader:
             raise ConfigError(f"{self.files[scale]}: {scale} is {got}; a {shape} weight in weight_block_size "
                               f"{self.block} blocks makes it {want} (a release quantized with other blocks, or a "
                               f"wrong weight_block_size in config.json)")
+
+    def _no_scale(self, name: str, dtype) -> ConfigError:
+        return ConfigError(f"{self.files[name]}: {name} is stored in {dtype} without a {name}_scale_inv "
+                           f"(config.json's quantization_config does not describe it)")
+
+    def _no_scales(self, name: str) -> ConfigError:
+        return ConfigError(f"{self.files[name + '_blocks']}: {name}_blocks has no {name}_scales beside it")
 
     def _get(self, name: str) -> torch.Tensor:
         with safe_open(self.files[name], "pt") as fh:
@@ -147,14 +154,13 @@ class FolderReader:
         stored = self.parts[name]
         if name + "_blocks" in stored:
             if name + "_scales" not in stored:
-                raise ConfigError(f"{self.files[name + '_blocks']}: {name}_blocks has no {name}_scales beside it")
+                raise self._no_scales(name)
             return dequantize_mxfp4(self._get(name + "_blocks"), self._get(name + "_scales"))
         t = self._get(name)
         if name + "_scale_inv" in stored:
             return dequantize_fp8(t, self._get(name + "_scale_inv"), self.block)
         if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise ConfigError(f"{self.files[name]}: {name} is stored in {t.dtype} without a {name}_scale_inv "
-                              f"(config.json's quantization_config does not describe it)")
+            raise self._no_scale(name, t.dtype)
         return t
 
 
@@ -162,7 +168,8 @@ def header(path: str) -> dict:
     """{name: (safetensors dtype, shape)} from a file's header; ConfigError naming a file that cannot be read."""
     try:
         with safe_open(path, "pt") as fh:
-            return {k: (fh.get_slice(k).get_dtype(), list(fh.get_slice(k).get_shape())) for k in fh.keys()}
+            slices = {k: fh.get_slice(k) for k in fh.keys()}
+            return {k: (t.get_dtype(), list(t.get_shape())) for k, t in slices.items()}
     except Exception as e:  # noqa: BLE001 - safetensors raises several types for a damaged file
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"{path}: not a readable safetensors file ({why}); download it again") from None

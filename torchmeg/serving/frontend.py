@@ -6,7 +6,7 @@ Python interpreter: over HTTP, the event loop's work per token (server-sent even
 writes) no longer takes turns with the engine's step (vLLM runs its engine core apart for the same
 reason). They talk over a pipe: requests and cancellations one way, each step's events the other.
 
-`EngineClient` stands where the engine stood for serving.api (submit, cancel, load, metrics): each
+`EngineClient` stands where the engine stood for serving.api (submit_all, cancel, load, metrics): each
 job here mirrors the engine's (its tokens, log-probs and finish reason, from the events), and the
 metrics (time to first token, inter-token latency, end to end) are measured here, where the client
 sees the tokens.
@@ -41,30 +41,21 @@ class EngineClient:
     def submit_all(self, jobs: list[Job]) -> None:
         """A request's sequences (n of them) are admitted together or refused together: a request refused
         halfway would have started sequences nobody waits for."""
-        if len(self.jobs) + len(jobs) > self.max_seqs + self.max_queue:
+        held = len(self.jobs)
+        if held + len(jobs) > self.max_seqs + self.max_queue:
             self.metrics.rejected.inc(len(jobs))
-            raise self._full()
+            raise QueueFull(f"{min(held, self.max_seqs)} sequences running and {held - min(held, self.max_seqs)} "
+                            f"waiting (--max-queue {self.max_queue}); retry later")
         for job in jobs:
-            self.submit(job)
-
-    def _full(self) -> QueueFull:
-        return QueueFull(f"{min(len(self.jobs), self.max_seqs)} sequences running and "
-                         f"{len(self.jobs) - min(len(self.jobs), self.max_seqs)} waiting "
-                         f"(--max-queue {self.max_queue}); retry later")
-
-    def submit(self, job: Job) -> None:
-        if len(self.jobs) >= self.max_seqs + self.max_queue:
-            self.metrics.rejected.inc()
-            raise self._full()
-        key, self.next_key = self.next_key, self.next_key + 1
-        job.key, job.arrived = key, time.monotonic()
-        self.jobs[key] = job
-        self.metrics.requests.inc()
-        on_event, job.on_event = job.on_event, None
-        try:
-            self.conn.send(("submit", key, job))
-        finally:
-            job.on_event = on_event
+            key, self.next_key = self.next_key, self.next_key + 1
+            job.key, job.arrived = key, time.monotonic()
+            self.jobs[key] = job
+            self.metrics.requests.inc()
+            on_event, job.on_event = job.on_event, None
+            try:
+                self.conn.send(("submit", key, job))
+            finally:
+                job.on_event = on_event
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
