@@ -1,6 +1,7 @@
 """The README's quick start, read from the README itself so CI runs what a user reads.
 
     python3 .ci/readme.py command N        # the Nth ```bash block of '## Quick start' (1: train, 2: tests)
+    python3 .ci/readme.py same N 'CMD'     # exit 1 unless that block is CMD, verbatim (.ci/run runs CMD)
     python3 .ci/readme.py check LOG        # LOG (the first command's output) shows the README's run
 
 `check`: every `step N | loss X` line the README prints after the first command is printed by the run,
@@ -60,6 +61,10 @@ def check(log_path: str) -> int:
 if __name__ == "__main__":
     if sys.argv[1] == "command":
         print(command(int(sys.argv[2])))
+    elif sys.argv[1] == "same":
+        if command(int(sys.argv[2])) != sys.argv[3]:
+            sys.exit(f"{README}'s quick-start command {sys.argv[2]} is not the one .ci/run runs:\n  README: "
+                     f"{command(int(sys.argv[2]))}\n  .ci/run: {sys.argv[3]}\nmake them one again")
     elif sys.argv[1] == "check":
         sys.exit(check(sys.argv[2]))
     else:
