@@ -12,7 +12,6 @@ import platform
 import resource
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -77,6 +76,7 @@ class MetricsLogger:
                 _keep_rows_upto(path, resume_step)
             self.jsonl = open(path, "a" if resume_step > 0 else "w")
         if cfg.metrics.enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # (lazy: a run without tensorboard skips its import)
             self.tb = SummaryWriter(os.path.join(cfg.run_dir, "tb"), purge_step=resume_step + 1 if resume_step else None)
 
     def log(self, row: dict, line: str | None = None) -> None:

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from torchmeg.models.blocks import blocks
 from torchmeg.models.moe import is_grouped_experts
@@ -32,6 +31,7 @@ def setup(cache_dir: str = "") -> None:
 
 def isa_cache_dir(base: str) -> str:
     """`base` (default: inductor's own) with this process's ISA folder under it, once."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # (lazy: inductor's import is ~1 s)
     base = os.path.abspath(base) if base else default_cache_dir()
     tag = isa_tag()
     return base if os.path.basename(base) == tag else os.path.join(base, tag)  # setup() runs once per stage

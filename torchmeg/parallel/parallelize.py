@@ -17,7 +17,6 @@ import contextlib
 
 import torch
 import torch._functorch.config as functorch_config
-import torch._inductor.config as inductor_config
 from torch import nn
 from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -189,5 +188,6 @@ def reshard_after_forward(cfg, dims: ParallelDims) -> bool:
 def _enable_async_tp(tp_mesh) -> None:
     """Inductor's micro-pipelined TP: overlaps the TP all-gather/reduce-scatter with matmuls
     (CUDA only: needs symmetric memory). Validation refuses it elsewhere."""
+    import torch._inductor.config as inductor_config  # lazy: only async TP needs it, and a job start is spared it
     inductor_config._micro_pipeline_tp = True
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)

@@ -121,16 +121,19 @@ def stage_ids(pp_rank: int, pp: int, v: int, schedule: str) -> list[int]:
 
 
 def split_model(model: nn.Module, spec, counts: list[int], ids: list[int]) -> list[nn.Module]:
-    keys = list(getattr(model, spec.layers_attr).keys())
+    whole_layers = getattr(model, spec.layers_attr)
+    keys = list(whole_layers.keys())
     starts = [sum(counts[:i]) for i in range(len(counts))]
     parts = []
     for s in ids:
-        part = copy.deepcopy(model)
-        keep = set(keys[starts[s]:starts[s] + counts[s]])
+        # Copy the model without its layers (the copy's layer container starts empty), then only the
+        # stage's own layers, through the same memo (weights shared with the rest stay shared): a
+        # copy of every layer per stage cost 0.6 s of a 405B plan's 6.
+        memo = {id(whole_layers): type(whole_layers)()}
+        part = copy.deepcopy(model, memo)
         layers = getattr(part, spec.layers_attr)
-        for k in keys:
-            if k not in keep:
-                del layers[k]
+        for k in keys[starts[s]:starts[s] + counts[s]]:
+            layers[k] = copy.deepcopy(whole_layers[k], memo)
         if s != 0:
             for name in spec.pp_first:
                 setattr(part, name, None)

@@ -95,15 +95,22 @@ def apply_recompute(model: nn.Module, ac_cfg, blocks_path: str = "") -> int:
         raise ValueError(f"activation_checkpoint.mode = {ac_cfg.mode!r}: no blocks found to recompute (no "
                          f"ModuleList / ModuleDict / Sequential of layers in the model); name them with "
                          f"model.blocks / parallelize(blocks=...)")
-    every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
     selective_op = ac_cfg.selective_option if ac_cfg.mode == "selective" and ac_cfg.selective_option in (
         "op", "op_half") else None
     wrapped = 0
     for i, (name, block) in enumerate(list(layers.named_children())):
-        # Count by the model's own layer number where it has one, so a pipeline stage holding
-        # layers 4..7 recomputes the same layers as the whole model would.
-        n = int(name) if name.isdigit() else i
-        if (n + 1) % every == 0:
+        if recomputed(name, i, ac_cfg):
             layers.register_module(name, _wrap(block, selective_op))
             wrapped += 1
     return wrapped
+
+
+def recomputed(name: str, i: int, ac_cfg) -> bool:
+    """Whether block `name` (the i-th of its container) is wrapped for recompute. Counted by the
+    model's own layer number where it has one, so a pipeline stage holding layers 4..7 (or a plan
+    tracing a few of the layers) recomputes the same layers as the whole model would."""
+    if ac_cfg.mode == "none":
+        return False
+    every = ac_cfg.selective_option if ac_cfg.mode == "selective" and isinstance(ac_cfg.selective_option, int) else 1
+    n = int(name) if name.isdigit() else i
+    return (n + 1) % every == 0

@@ -39,7 +39,7 @@ def parse(argv):
                     help="ranks per node (default: the GPU's usual node, 8): groups inside a node use its fast links")
     ap.add_argument("--search", action="store_true", help="rank other layouts of the same world that fit")
     ap.add_argument("--top", type=int, default=8, help="layouts shown by --search")
-    ap.add_argument("--limit", type=int, default=24, help="layouts --search plans at most (each is a dry run)")
+    ap.add_argument("--limit", type=int, default=0, help="layouts --search plans at most (0: every candidate)")
     ap.add_argument("--json", default=None, help="write the plan as JSON here")
     ap.add_argument("--measure", action="store_true", help="(under torchrun) measure the real trainer's step 2")
     return ap.parse_known_args(argv)
@@ -79,8 +79,16 @@ def render(p: dict) -> str:
               f"upper bound: step {p['step_s']:.3f} s, {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
               f"MFU {100 * p['mfu']:.1f}% (roofline at data-sheet peaks), "
               f"{'fits' if p['fits'] else 'DOES NOT FIT'} in {p['gpu_memory_bytes'] / 1e9:.0f} GB "
-              f"(peak x 1.1 + 2 GiB runtime)   [dry run {p['dry_run_s']:.0f} s]"]
+              f"(peak x 1.1 + 2 GiB runtime)   [dry run {p['dry_run_s']:.1f} s{_traced(p)}]"]
     return "\n".join(lines)
+
+
+def _traced(p: dict) -> str:
+    """What the dry run traced: a few layers scaled to the depth (torchmeg.plan.depth), or all."""
+    traced = p["ranks"][0].get("traced_layers") or []
+    if len(traced) < 2:
+        return ""
+    return f", layers traced {' + '.join(map(str, traced))} and scaled by kind"
 
 
 def main(argv=None) -> int:

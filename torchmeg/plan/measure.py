@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from torchmeg.plan.dry_run import track_step
+from torchmeg.plan.trace_step import track_step
 from torchmeg.plan.memory import activation_bytes
 from torchmeg.plan.step_cost import mesh_group_labels
 from torchmeg.train.trainer import Trainer

@@ -2,7 +2,8 @@
 
 Validates the recipe without its data (torchmeg.train.validate, data=False), dry-runs one training step
 per representative rank on fake tensors (torchmeg.plan.dry_run) and predicts its time on a GPU
-(torchmeg.plan.predict). The CLI is torchmeg.plan.__main__; --search calls plan() per layout.
+(torchmeg.plan.predict). The CLI is torchmeg.plan.__main__; --search prepares every layout first and
+traces all their jobs in one pool (prepare_plan, run_jobs, finish_plan).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.args import instantiate
 from torchmeg.models.count import active_params, count_params, flops_per_token
-from torchmeg.plan.dry_run import dry_run
+from torchmeg.plan.dry_run import forget, prepare, run_jobs
 from torchmeg.plan.memory import activation_bytes
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.predict import predict
@@ -33,29 +34,62 @@ def recipe_world(cfg) -> int:
             * p.tensor_parallel_degree * p.pipeline_parallel_degree)
 
 
-def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: int | None = None) -> dict:
-    """Validate (model, layout, batch; no data needed), dry-run, predict. -> the plan as a dict."""
+@dataclasses.dataclass
+class Prepared:
+    """A plan ready to trace: its layout, model FLOPs, GPU and dry run (whose jobs any pool may run)."""
+    cfg: object
+    world: int
+    layout: object
+    gpu: object
+    whole: object
+    model_flops: float
+    run: object
+
+
+def prepare_plan(cfg, world: int, gpu_name: str, gpus_per_node: int | None = None) -> Prepared:
+    """Validate (model, layout, batch; no data needed) and decide what the dry run traces."""
     layout = validate(cfg, world, data=False)
-    dims, args = layout.dims, layout.args
+    args = layout.args
     whole = instantiate(layout.spec, args, "meta")
-    global_tokens = layout.tokens_per_step
-    model_flops = flops_per_token(whole, args, cfg.data.seq_len) * global_tokens / world
+    model_flops = flops_per_token(whole, args, cfg.data.seq_len) * layout.tokens_per_step / world
     gpu = GPUS[gpu_name]
     if gpus_per_node:  # ranks per node: what decides which groups use the fast links
         gpu = dataclasses.replace(gpu, gpus_per_node=gpus_per_node)
+    return Prepared(cfg, world, layout, gpu, whole, model_flops, prepare(copy.deepcopy(cfg), layout))
+
+
+def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: int | None = None) -> dict:
+    """Validate, dry-run, predict. -> the plan as a dict."""
+    p = prepare_plan(cfg, world, gpu_name, gpus_per_node)
     t0 = time.perf_counter()
     try:
-        ranks = dry_run(copy.deepcopy(cfg), layout, isolate)
+        jobs = p.run.jobs
+        pieces = dict(zip(jobs, _fake_shapes(lambda: run_jobs(jobs, isolate), cfg)))
+        return finish_plan(p, pieces, time.perf_counter() - t0, isolate)
+    finally:
+        forget(p.run)
+
+
+def _fake_shapes(fn, cfg):
+    try:
+        return fn()
     except Exception as e:  # noqa: BLE001 - fake tensors cannot follow data-dependent shapes
         if type(e).__name__ not in ("DynamicOutputShapeException", "DataDependentOutputException"):
             raise
         op = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise ConfigError(f"model.name = {cfg.model.name!r}: its forward has shapes that depend on the data ({op}), "
                           f"which a fake-tensor dry run cannot follow; this model cannot be planned yet") from None
-    wall = time.perf_counter() - t0
+
+
+def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -> dict:
+    """The traced pieces combined (torchmeg.plan.depth) and predicted on the GPU."""
+    cfg, world, layout, gpu = p.cfg, p.world, p.layout, p.gpu
+    dims = layout.dims
+    global_tokens = layout.tokens_per_step
+    ranks = _fake_shapes(lambda: p.run.finish(pieces, isolate), cfg)
     rows = []
     for r in ranks:
-        pred = predict(r, cfg, dims, gpu, model_flops)
+        pred = predict(r, cfg, dims, gpu, p.model_flops)
         mem = r["memory"]
         rows.append({
             "rank": r["rank"], "pp_rank": r["pp_rank"], "stages": r["stages"], "parallel": r["report"],
@@ -63,14 +97,16 @@ def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: i
             "param_bytes": mem.get("Parameter", 0), "grad_bytes": mem.get("Gradient", 0),
             "optimizer_bytes": mem.get("Optstate", 0), "buffer_bytes": mem.get("Buffer", 0),
             "activation_bytes": activation_bytes(mem), "peak_bytes": mem.get("Total", 0),
-            "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"), **pred})
+            "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"),
+            "traced_layers": r.get("traced_layers"), **pred})
     step = max(x["step_s"] for x in rows)
     pred = max(x["predicted_step_s"] for x in rows)
+    whole = p.whole
     return {"recipe": cfg.job.name, "model": f"{cfg.model.name}/{cfg.model.flavor}", "params": count_params(whole),
             "active_params": active_params(whole), "world": world, "layout": dims.describe(), "gpu": gpu.name,
             "gpu_memory_bytes": gpu.hbm_bytes, "precision": cfg.training.mixed_precision,
             "recompute": cfg.activation_checkpoint.mode, "seq_len": cfg.data.seq_len,
-            "global_batch_tokens": global_tokens, "model_flops_per_rank": model_flops,
+            "global_batch_tokens": global_tokens, "model_flops_per_rank": p.model_flops,
             "step_s": step, "tokens_per_s_per_gpu": global_tokens / world / step,
             "mfu": min(x["mfu"] for x in rows), "fits": all(x["fits"] for x in rows),
             "predicted_step_s": pred, "predicted_tokens_per_s_per_gpu": global_tokens / world / pred,

@@ -40,11 +40,12 @@ def compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool = False) -> tupl
     for flops, nbytes, dtype, kind, fused in ops:
         if compiled and kind == "memory":
             nbytes = fused
-        if flops:
-            tc = flops / gpu.peak(_kind(dtype, float8))
-        else:
-            tc = 0.0
         tm = nbytes / gpu.hbm_bw
+        if not flops:  # bytes alone: linear in them (a sampled plan's correction op may be negative: depth.combine_ops)
+            total += tm
+            mem_bound += tm
+            continue
+        tc = flops / gpu.peak(_kind(dtype, float8))
         total += max(tc, tm)
         if tc >= tm:
             flop_bound += tc

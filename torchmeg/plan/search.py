@@ -10,11 +10,15 @@ planned, the simplest first (no pp, no cp, least recompute, most TP inside the n
 from __future__ import annotations
 
 import copy
+import itertools
+import multiprocessing as mp
+import queue
 import time
 
 from torchmeg.config.errors import ConfigError
+from torchmeg.plan.dry_run import cores, forget, trace_job
 from torchmeg.plan.gpus import GPUS
-from torchmeg.plan.planner import plan
+from torchmeg.plan.planner import finish_plan, prepare_plan
 from torchmeg.train.validate import validate
 
 MODES = ("none", "selective", "full")
@@ -62,26 +66,179 @@ def describe(c) -> str:
             f"local batch {c.training.local_batch_size}")
 
 
-def search(cfg, world: int, gpu_name: str, top: int, limit: int = 24, gpus_per_node: int | None = None) -> dict:
+def traced_program(run) -> str:
+    """What a dry run's traces depend on: the recipe and the layout, with a pipeline's batch as the
+    microbatches its stages run (their count and size), not how local batch and accumulation make them."""
+    cfg, lay = copy.deepcopy(run.cfg), run.layout
+    if lay.stages is not None:
+        cfg.training.local_batch_size = cfg.training.global_batch_size = 0
+        cfg.parallelism.pipeline_parallel_microbatches = 0
+        batch = (lay.local_batch * lay.accum // lay.stages.microbatches, lay.stages)
+    else:
+        batch = (lay.local_batch, lay.accum)
+    return repr((cfg, lay.world_size, lay.dims, lay.seq_len, batch, lay.rows_per_sample, lay.loss_parallel,
+                 [(t.keep and sorted(t.keep), t.coeff) for t in run.traces]))
+
+
+MODE_MEMORY = {"full": 0, "selective": 1, "none": 2}  # least to most activation memory
+
+
+def _memory_order(c) -> tuple:
+    """Within one sharding (tp, pp, cp), the layouts that hold least first: more recompute, smaller
+    local batch. A layout that does not fit makes every one after it on both counts unable to."""
+    p = c.parallelism
+    return (p.pipeline_parallel_degree, p.context_parallel_degree, -p.tensor_parallel_degree,
+            MODE_MEMORY[c.activation_checkpoint.mode], c.training.local_batch_size)
+
+
+def _dominated_by(c, accum: int, over, over_accum: int) -> bool:
+    """`over` (a layout that does not fit) holds no more than `c` per rank: the same sharding, at
+    least as much recompute, a local batch no larger, and both or neither accumulating gradients.
+    (Accumulation is not monotone with the rest: FSDP holds a microbatch's gradients unsharded until
+    the step's last one, so the 70B at TP 4 x FSDP 64 needs 96 GiB at local batch 2 x 2 microbatches
+    and 39 GiB at 4 x 1.)"""
+    p, q = c.parallelism, over.parallelism
+    return ((p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree)
+            == (q.tensor_parallel_degree, q.pipeline_parallel_degree, q.context_parallel_degree)
+            and MODE_MEMORY[c.activation_checkpoint.mode] >= MODE_MEMORY[over.activation_checkpoint.mode]
+            and c.training.local_batch_size >= over.training.local_batch_size
+            and (accum > 1) == (over_accum > 1))
+
+
+def _trace_in_order(prepared, alias, finished, rows) -> int:
+    """Trace the layouts' jobs on every core, the least memory first within each sharding; a layout
+    left when one it dominates (_dominated_by) has been found not to fit is not traced: it is reported
+    as not fitting, naming that one. -> jobs traced."""
+    # One sharding's layouts a round apart (round-robin over the shardings): by the time a layout is
+    # taken, the smaller ones of its sharding have mostly been traced and can rule it out.
+    chains: dict[tuple, list] = {}
+    for cp in sorted(prepared, key=lambda cp: _memory_order(cp[0])):
+        chains.setdefault(_memory_order(cp[0])[:3], []).append(cp)
+    order = [cp for rnd in itertools.zip_longest(*chains.values()) for cp in rnd if cp is not None]
+    done_q: queue.Queue = queue.Queue()
+    traced, submitted, no_fit = {}, set(), []
+    waiting = {p.run.key: {alias[j] for j in p.run.jobs} for _, p in prepared}
+    in_flight = 0
+    with mp.get_context("fork").Pool(cores(), maxtasksperchild=1) as pool:
+        while order or in_flight:
+            while order and in_flight < cores():
+                c, p = order.pop(0)
+                if p.run.key not in waiting:  # (every trace it needs came in for a layout of the same program)
+                    continue
+                over = next((o for o in no_fit if _dominated_by(c, p.layout.accum, o[0], o[2])), None)
+                if over is not None:
+                    rows[p.run.key] = {"layout": describe(c), "fits": False, "traced": False, "need_gib": float("nan"),
+                                       "why": f"does not fit: {describe(over[0])} already needs {over[1]:.1f} GiB"}
+                    continue
+                for job in waiting[p.run.key] - submitted:
+                    submitted.add(job)
+                    in_flight += 1
+                    pool.apply_async(trace_job, (job,), callback=lambda r, j=job: done_q.put((j, r, None)),
+                                     error_callback=lambda e, j=job: done_q.put((j, None, e)))
+                _complete(c, p, waiting, traced, finished, no_fit, alias)
+            if not in_flight:
+                continue
+            job, piece, err = done_q.get()
+            in_flight -= 1
+            if err is not None:
+                raise err
+            traced[job] = piece
+            for c, p in prepared:
+                _complete(c, p, waiting, traced, finished, no_fit, alias)
+    return len(traced)
+
+
+def _complete(c, p, waiting, traced, finished, no_fit, alias) -> None:
+    key = p.run.key
+    if key in waiting and waiting[key] <= traced.keys():
+        del waiting[key]
+        row = finished(key, {j: traced[alias[j]] for j in p.run.jobs})
+        if not row["fits"]:
+            no_fit.append((c, row["need_gib"], p.layout.accum))
+
+
+def _parts(rank: dict) -> dict:
+    """A rank's predicted step in parts: compute by op class, the pipeline bubble, and the rest
+    (communication exposed, FSDP's beyond the compute that hides it included)."""
+    compute = sum(rank["predicted_compute_s"].values())
+    bubble = (compute + rank["predicted_comm_exposed_s"]) * rank["bubble"]
+    return {"by": rank["predicted_compute_s"], "bubble_s": bubble,
+            "comm_s": rank["predicted_step_s"] - compute - bubble}
+
+
+def _why(r: dict, best: dict, gpu_bytes: float) -> str:
+    """Why a layout lost to the best: it does not fit, or what of its step takes longer."""
+    if not r["fits"]:
+        return f"does not fit: needs {r['need_gib']:.1f} GiB of {gpu_bytes / 2 ** 30:.0f}"
+    if r is best:
+        return "best"
+    parts = {f"{k} compute": r["by"][k] - best["by"][k] for k in r["by"]}
+    parts["exposed comm"] = r["comm_s"] - best["comm_s"]
+    parts["pipeline bubble"] = r["bubble_s"] - best["bubble_s"]
+    what, more = max(parts.items(), key=lambda kv: kv[1])
+    return f"{r['predicted_step_s'] / best['predicted_step_s']:.2f}x the best's step: {what} +{more:.3f} s"
+
+
+def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_node: int | None = None) -> dict:
+    """Plan every candidate layout (the first `limit`; 0 = all), ranked by predicted step time. All
+    their traces run as one pool of jobs (torchmeg.plan.dry_run.run_jobs), as many at a time as
+    this machine has cores."""
+    t_start = time.perf_counter()
     cands = candidates(cfg, world, gpus_per_node or GPUS[gpu_name].gpus_per_node)
-    print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning "
-          f"{min(limit, len(cands))} of them", flush=True)
-    rows = []
-    for c in cands[:limit]:
-        t0 = time.perf_counter()
+    chosen = cands[:limit] if limit else cands
+    print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning {len(chosen)} of them "
+          f"({cores()} at a time)", flush=True)
+    prepared = []
+    for c in chosen:
         try:
-            p = plan(c, world, gpu_name, isolate=True, gpus_per_node=gpus_per_node)
+            prepared.append((c, prepare_plan(c, world, gpu_name, gpus_per_node)))
         except ConfigError as e:
             print(f"  {describe(c):<70} skipped: {e}", flush=True)
-            continue
-        peak = max(r["need_bytes"] for r in p["ranks"]) / 2 ** 30
-        print(f"  {describe(c):<70} need {peak:7.1f} GiB  step {p['step_s']:8.3f} s  MFU {100 * p['mfu']:5.1f}%  "
-              f"{'fits' if p['fits'] else 'does not fit'}  ({time.perf_counter() - t0:.0f} s)", flush=True)
-        rows.append({"layout": describe(c), "fits": p["fits"], "need_gib": peak, "step_s": p["step_s"],
-                     "mfu": p["mfu"], "tokens_per_s_per_gpu": p["tokens_per_s_per_gpu"]})
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["step_s"])
-    print(f"\nbest {min(top, len(fitting))} of {len(fitting)} that fit {GPUS[gpu_name].name}:", flush=True)
+    # Layouts whose traced programs are identical (pipeline layouts that differ only in how the same
+    # microbatches are counted as local batch x accumulation) share their traces.
+    same: dict[tuple, tuple] = {}
+    for _, p in prepared:
+        sig = traced_program(p.run)
+        for job in p.run.jobs:
+            same.setdefault((sig, *job[1:]), job)
+    alias = {job: same[(traced_program(p.run), *job[1:])] for _, p in prepared for job in p.run.jobs}
+    rows = {}
+
+    def finished(key: int, pieces: dict) -> dict:
+        c, p = by_key[key]
+        plan = finish_plan(p, pieces, 0.0, isolate=True)
+        worst = max(plan["ranks"], key=lambda r: r["predicted_step_s"])
+        rows[key] = {"layout": describe(c), "fits": plan["fits"], "traced": True,
+                     "need_gib": max(r["need_bytes"] for r in plan["ranks"]) / 2 ** 30,
+                     "step_s": plan["step_s"], "mfu": plan["mfu"], "tokens_per_s_per_gpu": plan["tokens_per_s_per_gpu"],
+                     "predicted_step_s": plan["predicted_step_s"], "predicted_mfu": plan["predicted_mfu"],
+                     "predicted_tokens_per_s_per_gpu": plan["predicted_tokens_per_s_per_gpu"], **_parts(worst)}
+        print(f"  {rows[key]['layout']:<70} need {rows[key]['need_gib']:7.1f} GiB  step {plan['predicted_step_s']:8.3f} s  "
+              f"{'fits' if plan['fits'] else 'does not fit'}  ({time.perf_counter() - t_start:.0f} s)", flush=True)
+        return rows[key]
+    by_key = {p.run.key: (c, p) for c, p in prepared}
+    try:
+        n_traced = _trace_in_order(prepared, alias, finished, rows)
+    finally:
+        for _, p in prepared:
+            forget(p.run)
+    rows = list(rows.values())
+    print(f"  {n_traced} traces for {sum(r['traced'] for r in rows)} layouts traced; "
+          f"{sum(not r['traced'] for r in rows)} others cannot fit where a smaller one of theirs does not", flush=True)
+    gpu = GPUS[gpu_name]
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted_step_s"])
+    best = fitting[0] if fitting else None
+    for r in rows:
+        if r["traced"]:
+            r["why"] = _why(r, best, gpu.hbm_bytes) if best is not None or not r["fits"] else "nothing fits"
+    wall = time.perf_counter() - t_start
+    print(f"\nbest {min(top, len(fitting))} of {len(fitting)} that fit {gpu.name} ({len(rows)} planned in {wall:.0f} s), "
+          f"by predicted step:", flush=True)
     for i, r in enumerate(fitting[:top], 1):
-        print(f"{i:>3}. {r['layout']:<70} step {r['step_s']:.3f} s  {r['tokens_per_s_per_gpu']:,.0f} tok/s/GPU  "
-              f"MFU {100 * r['mfu']:.1f}%  need {r['need_gib']:.1f} GiB", flush=True)
-    return {"world": world, "gpu": GPUS[gpu_name].name, "planned": rows, "ranked": fitting[:top]}
+        print(f"{i:>3}. {r['layout']:<70} step {r['predicted_step_s']:.3f} s  "
+              f"{r['predicted_tokens_per_s_per_gpu']:,.0f} tok/s/GPU  MFU {100 * r['predicted_mfu']:.1f}%  "
+              f"need {r['need_gib']:.1f} GiB  {'' if i == 1 else '(' + r['why'] + ')'}", flush=True)
+    lost = [r for r in rows if not r["fits"]]
+    if lost:
+        print(f"\n{len(lost)} do not fit, e.g. {lost[0]['layout']}: {lost[0]['why']}", flush=True)
+    return {"world": world, "gpu": gpu.name, "planned": rows, "ranked": fitting[:top], "search_s": wall}

@@ -134,13 +134,20 @@ def add_adapters(model: nn.Module, cfg) -> list[str]:
 
 def build_parallel_model(cfg, layout: Layout, mesh, ep_mesh, device, seed: int | None,
                          loss_fn: Callable | None = None, schedule: bool = True,
-                         storage=contextlib.nullcontext, fused_head: bool | None = None) -> BuiltModel:
+                         storage=contextlib.nullcontext, fused_head: bool | None = None,
+                         keep_layers: set[str] | None = None) -> BuiltModel:
     """`fused_head`: the loss applies the LM head (default: training.fused_linear_cross_entropy;
-    generation passes False: it needs the logits)."""
+    generation passes False: it needs the logits). `keep_layers`: build only these of the model's
+    layers (keys of its layer ModuleDict; the planner's sampled depth, torchmeg.plan.depth), with
+    `layout.stages` splitting the kept ones."""
     spec, dims = layout.spec, layout.dims
     whole = instantiate(spec, layout.args, "meta")
     if cfg.lora.enable:  # before any split or sharding: the adapters are part of the model every layout takes
         add_adapters(whole, cfg)
+    if keep_layers is not None:
+        layers = getattr(whole, spec.layers_attr)
+        for key in [k for k in layers.keys() if k not in keep_layers]:
+            del layers[key]
     fused = cfg.training.fused_linear_cross_entropy if fused_head is None else fused_head
     head = {}
 

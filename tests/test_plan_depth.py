@@ -1,0 +1,178 @@
+"""Trace once, scale by structure (torchmeg.plan.depth): a plan that traces a few layers of each kind
+equals the plan that traces every layer, number for number.
+
+Quick: the sampling and the combination on synthetic additive steps (every kind pattern, stage split
+and position effect), and the kinds of real models. Slow: real plans both ways, on the model
+families and layouts whose layers differ (dense then MoE, windowed and full attention, MLA + MTP,
+recompute every 2nd block, LoRA, DPO, pipeline stages, gradient accumulation).
+"""
+import json
+import os
+import random
+import sys
+
+import pytest
+
+from conftest import ROOT, _run_one
+from torchmeg.config.schema import load_config
+from torchmeg.models.args import instantiate
+from torchmeg.plan import depth
+from torchmeg.train.validate import validate
+
+
+def _additive_step(keep: list[str], kinds: dict[str, int], stage_of: dict[str, int], firsts: set, lasts: set) -> dict:
+    """A synthetic measured step: per layer, costs by kind (FLOPs, a comm table, op tuples, held bytes);
+    the first and last layer of each stage cost extra (position effects); a foreach op over every
+    layer's gradients grows with the depth (one op whose bytes are the sum)."""
+    out = {"flops": 1000, "comm": {"dp/all_gather": {"count": 1, "bytes": 10, "ranks": 4}}, "ops": [(5, 7, "bf16", "matmul", 7)],
+           "per_stage": {}}
+    grads = 0
+    for key in keep:
+        k, s = kinds[key], stage_of[key]
+        out["flops"] += 100 * (k + 1) + (17 if key in firsts else 0) + (29 if key in lasts else 0)
+        c = out["comm"].setdefault(f"kind{k}/all_to_all", {"count": 0, "bytes": 0, "ranks": 8})
+        c["count"] += 1
+        c["bytes"] += 3 * (k + 1)
+        out["ops"] += [(2 * (k + 1), 4, "bf16", "matmul", 4), (0, 9 + k, None, "memory", 1)]
+        st = out["per_stage"].setdefault(s, {"act": 0, "kept": 0})
+        st["act"] += 11 * (k + 2)
+        st["kept"] += 5 + (3 if key in lasts else 0)
+        grads += 13 * (k + 1)
+    out["ops"].append((0, grads, None, "memory", grads))
+    return out
+
+
+def _split(n: int, stages: int) -> tuple[int, ...]:
+    return tuple(n // stages + (1 if s < n % stages else 0) for s in range(stages))
+
+
+def _total(x):
+    """Op multisets compared by what predict reads from them: FLOPs per (dtype, kind) op and bytes."""
+    if isinstance(x, dict):
+        return {k: (_total(v) if k != "ops" else (sorted(o for o in v if o[0]), sum(o[1] for o in v if not o[0]),
+                                                  sum(o[4] for o in v if not o[0]))) for k, v in x.items()}
+    return x
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_combination_of_sampled_traces_is_the_whole_step(seed):
+    """For any pattern of layer kinds (one kind; two alternating; dense then MoE; random), with or
+    without a pipeline split, the traces' combination equals the step of every layer; and it traces
+    fewer layers than the model has whenever it samples at all."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 80)
+    pattern = rng.choice(["one", "alternate", "prefix", "random"])
+    kind = {"one": lambda i: 0, "alternate": lambda i: i % 2, "prefix": lambda i: 0 if i < 3 else 1,
+            "random": lambda i: rng.randint(0, 2)}[pattern]
+    kinds = {str(i): kind(i) for i in range(n)}
+    stages = rng.choice([None, 2, 4]) if n >= 8 else None
+    split = _split(n, stages) if stages else None
+    counts = split or (n,)
+    keys = list(kinds)
+    stage_of, firsts, lasts, a = {}, set(), set(), 0
+    for s, c in enumerate(counts):
+        for k in keys[a:a + c]:
+            stage_of[k] = s
+        firsts.add(keys[a])
+        lasts.add(keys[a + c - 1])
+        a += c
+    traces = depth.sample(kinds, split)
+    pieces = [_additive_step([k for k in keys if t.keep is None or k in t.keep], kinds, stage_of, firsts, lasts)
+              for t in traces]
+    got = depth.combine(pieces, [t.coeff for t in traces])
+    want = _additive_step(keys, kinds, stage_of, firsts, lasts)
+    assert _total(got) == _total(want), (pattern, n, split, [sorted(t.keep or [], key=int) for t in traces])
+    if len(traces) > 1:
+        assert sum(t.work for t in traces) < n  # layers built over every job, each of its touched stages
+        for t in traces:  # the pipeline split of the kept layers: each stage keeps its first and last
+            if split:
+                assert sum(t.stage_layers) == len(t.keep) and all(c >= 1 for c in t.stage_layers)
+
+
+def test_an_op_with_flops_that_changes_with_the_depth_is_refused():
+    """Only FLOP-free ops (time linear in bytes) may come out with a negative count; a matmul whose
+    shape followed the depth would not scale, and the planner then traces every layer instead."""
+    with pytest.raises(depth.NotLinear):
+        depth.combine_ops([[(10, 1, "bf16", "matmul", 1)], [(20, 2, "bf16", "matmul", 2)]], [-3, 4])
+    ops = depth.combine_ops([[(0, 10, None, "memory", 4)], [(0, 12, None, "memory", 5)]], [-3, 4])
+    assert sum(o[1] for o in ops) == -3 * 10 + 4 * 12 and sum(o[4] for o in ops) == -3 * 4 + 4 * 5
+
+
+def _kinds(recipe: str, *args: str) -> list[int]:
+    cfg = load_config(os.path.join(ROOT, "recipes", recipe), list(args))
+    layout = validate(cfg, 1, data=False)
+    return list(depth.layer_kinds(instantiate(layout.spec, layout.args, "meta"), layout.spec, cfg).values())
+
+
+def test_layer_kinds_of_real_models():
+    """Kinds come from the blocks themselves: gpt-oss alternates windowed and full attention, the MoE
+    families start with dense blocks, DeepSeek-V3's MLA blocks likewise, recompute of every 2nd
+    block makes two kinds of one block, LoRA adapters on every block keep one kind."""
+    assert _kinds("debug_llama.toml", "--model.n_layers=6") == [0] * 6
+    assert _kinds("gpt_oss_debug.toml", "--model.n_layers=6") == [0, 1, 0, 1, 0, 1]
+    assert _kinds("moe_debug.toml", "--model.n_layers=5") == [0, 1, 1, 1, 1]
+    assert _kinds("deepseek_v3_debug.toml", "--model.n_layers=5") == [0, 1, 1, 1, 1]
+    assert _kinds("debug_llama.toml", "--model.n_layers=6", "--activation_checkpoint.mode=selective",
+                  "--activation_checkpoint.selective_option=2") == [0, 1, 0, 1, 0, 1]
+    assert _kinds("debug_llama.toml", "--model.n_layers=6", "--lora.enable=true") == [0] * 6
+
+
+# (name, recipe, world, overrides): each family and layout whose layers or stages differ
+CASES = [
+    ("llama_fsdp2_accum3_recompute_every_2nd", "debug_llama.toml", 2,
+     ["--model.n_layers=24", "--training.local_batch_size=2", "--training.global_batch_size=12",
+      "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=2"]),
+    ("moe_dense_first_ep2_fsdp2", "moe_debug.toml", 4,
+     ["--model.n_layers=12", "--parallelism.expert_parallel_degree=2"]),
+    ("gpt_oss_windowed_full_tp2", "gpt_oss_debug.toml", 2,
+     ["--model.n_layers=20", "--parallelism.tensor_parallel_degree=2", "--data.seq_len=64"]),
+    ("deepseek_mla_mtp_fsdp2_full_recompute", "deepseek_v3_debug.toml", 2,
+     ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
+    ("llama_lora_fsdp2", "debug_llama.toml", 2, ["--model.n_layers=10", "--lora.enable=true"]),
+    ("dpo_fsdp2", "dpo_debug.toml", 2, ["--model.n_layers=10"]),
+    ("llama_pp2_1f1b_fsdp2", "debug_llama.toml", 4,
+     ["--model.n_layers=23", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4",
+      "--parallelism.pipeline_parallel_layers_per_stage=[12, 11]"]),  # (uneven: each rank's trace of its own)
+    # (the 70B at FSDP 64 with full recompute peaks in the second-to-last block's backward: traced too)
+    ("llama_fsdp2_full_recompute", "debug_llama.toml", 2, ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
+    ("llama_pp2_interleaved", "debug_llama.toml", 2,
+     ["--model.n_layers=40", "--parallelism.pipeline_parallel_degree=2",
+      "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches=4"]),
+]
+
+
+def _plan(recipe: str, world: int, args: list[str], out) -> dict:
+    p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
+                  "--world", str(world), "--json", str(out)] + args, dict(os.environ, OMP_NUM_THREADS="1"), 300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.load(open(out))
+
+
+def _numbers(p: dict) -> dict:
+    out = {"predicted": p["predicted_tokens_per_s_per_gpu"], "upper bound": p["tokens_per_s_per_gpu"]}
+    for r in p["ranks"]:
+        for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "flops",
+                  "model_state_bytes"):
+            out[f"rank {r['rank']} {k}"] = r[k]
+        for key, c in r["comm"].items():
+            out[f"rank {r['rank']} {key}"] = (c["count"], c["bytes"])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,recipe,world,args", CASES, ids=[c[0] for c in CASES])
+def test_sampled_plan_equals_the_plan_of_every_layer(name, recipe, world, args, tmp_path):
+    """Per rank: peak, activation, parameter / gradient / optimizer bytes, FLOPs, every collective's
+    count and bytes equal; tokens/s (predicted and upper bound) within 1e-6 relative (the sums of
+    per-op seconds in another order). The sampled plan traced fewer layers than the model has."""
+    sampled = _plan(recipe, world, args, tmp_path / "sampled.json")
+    every = _plan(recipe, world, args + ["--plan.trace_layers=all"], tmp_path / "all.json")
+    traced = sampled["ranks"][0]["traced_layers"]
+    assert len(traced) >= 2 and max(traced) < every["ranks"][0]["traced_layers"][0], traced
+    a, b = _numbers(every), _numbers(sampled)
+    assert a.keys() == b.keys()
+    for k in a:
+        if k in ("predicted", "upper bound"):
+            assert b[k] == pytest.approx(a[k], rel=1e-6), k
+        else:
+            assert b[k] == a[k], (k, a[k], b[k])

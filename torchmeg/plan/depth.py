@@ -1,0 +1,176 @@
+"""Trace once, scale by structure: a dry run traces a few of a model's layers and scales the step by
+how many of each kind it has.
+
+A transformer repeats its blocks. Two blocks of the same kind (the same modules, parameter shapes and
+settings: dense or MoE, windowed or full attention, recomputed or not) cost the same in every number
+the planner measures: FLOPs, each op's bytes, each collective's bytes, the activations held to the
+backward, the parameters, gradients and optimizer state. So a step's numbers are
+
+    R(all layers) = R(B) + sum over kinds k of (n_k - 1) * (R(B + one more layer of kind k) - R(B))
+
+where B keeps, in each pipeline stage, the first and the last layer (what differs by position: the
+last block's backward starts the pass and is not re-gathered) and the first and the last middle
+layer of each kind, and n_k counts the stage's middle layers of kind k beyond those two. Memory is
+scaled segment by segment (the backward split at every traced block, memory.step_memory): in backward
+a rank holds the activations of the blocks still to come and the gradients of those done, so over a
+run of blocks of one kind the bytes change linearly and peak at the run's first or last block, both
+traced (the 70B plan at FSDP 64 peaks in the second-to-last block's backward, 0.8 GiB above the last
+one's). Layers of kinds with the same n_k go into one trace together, so llama3_70b (80 layers, one
+kind) traces 4 + 5 layers, gpt-oss (windowed and full alternating) 6 + 8, a DeepSeek-V3 stage (dense
+then MoE) 6 + 7 + 7 at most.
+
+What is traced is still the real program: the trainer's build with the layers not kept removed from
+the model before the pipeline split and parallelize(), then one step on fake tensors. Every number
+is then a linear combination of the traces (`combine`), ops as a multiset. `plan.trace_layers = "all"`
+traces every layer instead: the reference `tests/test_plan_depth.py` holds the sampled plan to.
+Models whose layers are not a ModuleDict of numbered blocks (the `hf` family's ModuleList) are traced
+whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import torch.nn as nn
+
+from torchmeg.parallel.recompute import recomputed
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+@dataclasses.dataclass
+class Trace:
+    """One dry run: the layer keys it keeps (None: all), the pipeline split of those, and its
+    coefficient in the step's linear combination."""
+    keep: set[str] | None
+    stage_layers: tuple[int, ...] | None
+    coeff: int
+    stages: set[int] | None = None  # the stages this trace adds a layer to (None: the base, every stage)
+    work: int = 0  # layers its jobs build: of the stages it adds to
+
+
+def signature(block: nn.Module) -> tuple:
+    """What makes two blocks cost the same: every submodule's name and class, its parameters' shapes,
+    dtypes and trainability, and its plain settings (a window, an expert count, a flag)."""
+    out = []
+    for name, mod in block.named_modules():
+        params = tuple((n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in mod.named_parameters(recurse=False))
+        settings = tuple(sorted((k, v) for k, v in vars(mod).items()
+                                if not k.startswith("_") and k != "training"
+                                and (isinstance(v, _SCALARS)
+                                     or (isinstance(v, tuple) and all(isinstance(x, _SCALARS) for x in v)))))
+        out.append((name, type(mod).__name__, params, settings))
+    return tuple(out)
+
+
+def layer_kinds(whole: nn.Module, spec, cfg) -> dict[str, int] | None:
+    """Layer key -> kind number, in the model's layer order; None when the model's layers are not a
+    ModuleDict keyed by layer number (then it is traced whole)."""
+    layers = getattr(whole, spec.layers_attr, None)
+    if not isinstance(layers, nn.ModuleDict) or not all(k.isdigit() for k in layers.keys()):
+        return None
+    sigs: dict = {}
+    kinds = {}
+    for i, (key, block) in enumerate(layers.items()):
+        sig = (signature(block), recomputed(key, i, cfg.activation_checkpoint))
+        kinds[key] = sigs.setdefault(sig, len(sigs))
+    return kinds
+
+
+def sample(kinds: dict[str, int] | None, stage_layers: tuple[int, ...] | None) -> list[Trace]:
+    """The traces whose combination is the whole step (see the module doc). `stage_layers`: the
+    pipeline's layers per stage (None without PP: one stage of every layer)."""
+    if kinds is None:
+        return [Trace(None, stage_layers, 1)]
+    keys = list(kinds)
+    counts = list(stage_layers) if stage_layers is not None else [len(keys)]
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    stages = [keys[a:a + n] for a, n in zip(starts, counts)]
+    base: list[set[str]] = []
+    extra: dict[int, list[tuple[int, str]]] = {}  # weight -> (stage, layer key) added in that trace
+    for s, ks in enumerate(stages):
+        keep = {ks[0], ks[-1]} if ks else set()
+        middle: dict[int, list[str]] = {}
+        for k in ks[1:-1]:
+            middle.setdefault(kinds[k], []).append(k)
+        for kind, ms in middle.items():
+            keep.update((ms[0], ms[-1]))
+            if len(ms) > 2:
+                extra.setdefault(len(ms) - 2, []).append((s, ms[1]))
+        base.append(keep)
+    if not extra:
+        return [Trace(None, stage_layers, 1)]  # every layer is in the base: nothing to scale
+
+    def trace(added: list[tuple[int, str]], coeff: int) -> Trace:
+        keep = [set(b) for b in base]
+        for s, k in added:
+            keep[s].add(k)
+        split = tuple(len(k) for k in keep) if stage_layers is not None else None
+        touched = {s for s, _ in added} if added else None
+        # (a trace is built only for the ranks whose stages it adds to: dry_run.DryRun.jobs)
+        work = sum(len(k) for s, k in enumerate(keep) if touched is None or s in touched)
+        return Trace(set().union(*keep), split, coeff, touched, work)
+    traces = [trace([], 1 - sum(extra))]
+    traces += [trace(added, w) for w, added in sorted(extra.items())]
+    if sum(t.work for t in traces) >= len(keys):  # stages of a few layers: tracing them all is less
+        return [Trace(None, stage_layers, 1)]
+    return traces
+
+
+class NotLinear(Exception):
+    """A traced number that does not scale with the layers as the combination assumes."""
+
+
+def combine(results: list, coeffs: list[int]):
+    """sum_i coeffs[i] * results[i], field by field: numbers summed, dicts key by key (a key missing
+    from a trace counts 0), `ops` / `reduce_ops` lists as multisets of op tuples, `ranks` (a
+    group's size) and anything not a number taken as it is."""
+    if len(results) == 1:
+        return results[0]
+    return _comb(results, coeffs, None)
+
+
+def _comb(vals: list, coeffs: list[int], key):
+    present = [v for v in vals if v is not None]
+    first = present[0]
+    if isinstance(first, bool) or isinstance(first, str) or first is None:
+        return vals[0] if vals[0] is not None else first
+    if isinstance(first, (int, float)):
+        if key == "ranks":
+            return max(present)
+        return sum(c * (v or 0) for c, v in zip(coeffs, vals))
+    if isinstance(first, dict):
+        out = type(first)()
+        keys = dict.fromkeys(k for v in present for k in v)
+        if key == "memory_phases":  # a segment of a layer only some traces keep says nothing of the whole
+            keys = [k for k in keys if all(v is not None and k in v for v in vals)]
+        for k in keys:
+            out[k] = _comb([v.get(k) if v is not None else None for v in vals], coeffs, k)
+        return out
+    if key in ("ops", "reduce_ops"):
+        return combine_ops([v or [] for v in vals], coeffs)
+    return vals[0] if vals[0] is not None else first
+
+
+def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:
+    """Op multisets combined: each op tuple (flops, bytes, dtype, kind, fused bytes) counted
+    sum_i coeffs[i] x its count in trace i. An op whose count comes out negative is one whose size
+    grows with the layers (a foreach update, a norm over every gradient): with no FLOPs its time is
+    its bytes over the bandwidth, linear, so those are folded into one correction op of (possibly
+    negative) bytes; one with FLOPs would not be linear in its bytes, and is refused (NotLinear)."""
+    total: Counter = Counter()
+    for c, ops in zip(coeffs, lists):
+        for op, n in Counter(ops).items():
+            total[op] += c * n
+    out, nbytes, fused = [], 0, 0
+    for op, n in total.items():
+        if n > 0:
+            out += [op] * n
+        elif n < 0:
+            if op[0] or op[3] != "memory":
+                raise NotLinear(f"an op with FLOPs changes with the depth: {op}")
+            nbytes += n * op[1]
+            fused += n * op[4]
+    if nbytes or fused:
+        out.append((0, nbytes, None, "memory", fused))
+    return out

@@ -1,0 +1,191 @@
+"""One traced training step of a model on a rank: the trainer's build (split, the real parallelize(),
+storage under FakeTensorMode, or the real tensors of a running trainer for `--measure`), one step run
+under torch's MemTracker (memory by category, peak; the backward split at every block,
+memory.step_memory) and StepCost (ops, FLOPs, bytes, collectives by mesh dim). The optimizer's
+state is created first by an untracked update, as step 1 of a real run does. torchmeg.plan.dry_run
+decides what is traced (a few layers, torchmeg.plan.depth) and combines the traces.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torchmeg.config.layout import Layout
+from torchmeg.observe.metrics import model_state_bytes
+from torchmeg.parallel.parallelize import program_for
+from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
+from torchmeg.plan.step_cost import StepCost
+from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
+from torchmeg.train.dpo import DPOLoss
+from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows
+from torchmeg.train.optim import build_optimizer, grad_norm
+from torchmeg.train.router_stats import reduce_router_stats, router_modules
+
+
+class Measurement(dict):
+    """Per-rank numbers of one step: memory (bytes), flops, ops (flops, bytes, dtype), comm."""
+
+
+class MicrobatchMarks:
+    """A step's microbatches, run as at most three: the first, one middle one and the last are
+    the only kinds a step has (the first creates the accumulated gradients, every middle one
+    starts from them with no gradient sync, the last syncs), so the memory peak of three is the
+    step's, and its ops and collectives are those of three plus `more` copies of the middle one's.
+    Iterating notes, where each microbatch begins, the bytes held and the StepCost tables (`memory`
+    and `cost`, set by track_step)."""
+
+    def __init__(self, make_batch, accum: int):
+        self.batches = [make_batch() for _ in range(min(accum, 3))]
+        self.more = accum - len(self.batches)
+        self.cost, self.memory, self.marks = None, None, []
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            self.marks.append((current_bytes(self.memory), self.cost.mark()))
+            yield b
+        self.marks.append((current_bytes(self.memory), self.cost.mark()))
+
+
+def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: bool = False,
+               marks: dict | None = None) -> Measurement:
+    """Run `run()` (one training step) under MemTracker + StepCost. With `microbatches` (a
+    MicrobatchMarks the step iterates), its middle microbatch's ops and collectives count
+    `microbatches.more` extra times. `phased`: run(between) calls between() once forward and backward
+    are done, and memory_phases holds the peak of each side of it (forward_backward, update): each
+    scales with the depth on its own line (activations; state + gradients), so a plan that traces a
+    few layers takes the larger only once scaled (torchmeg.plan.depth); `marks` (block -> layer key)
+    split the backward further, at each of those blocks (memory.step_memory)."""
+    mt = step_memory(marks)
+    mt.track_external(*model_parts, optimizer)
+    cost = StepCost(labels)
+    if microbatches is not None:
+        microbatches.cost, microbatches.memory = cost, mt
+    own = vars(optimizer).get("step")
+    update = optimizer.step
+
+    def eager_update(*a, **k):  # the trainer compiles model and loss, never the update
+        with cost.eager():
+            return update(*a, **k)
+    optimizer.step = eager_update
+    phases = {}
+    try:
+        with mt, cost:
+            if phased:
+                run(lambda: phases.update(mt.segments, forward_backward=take_peak(mt)))
+            else:
+                run()
+    finally:
+        if own is None:
+            del optimizer.step
+        else:
+            optimizer.step = own
+    mem = peak_bytes(mt)
+    if phased:
+        phases["update"] = mem
+    if microbatches is not None and microbatches.more:
+        (held1, c1), (held2, c2) = microbatches.marks[1:3]
+        cost.repeat(c1, c2, microbatches.more)
+        # Whatever a middle microbatch leaves held (a few KiB of batch-sized bytes here) is held
+        # once more per extra microbatch at the peak, which comes in the last one (or after it).
+        for snap in phases.values() if phased else [mem]:
+            snap["Total"] = snap.get("Total", 0) + max(0, held2 - held1) * microbatches.more
+    if phased:
+        mem = peak_phase(phases)
+    return Measurement(memory=mem, memory_phases=phases, flops=cost.flops, ops=cost.ops, comm=cost.comm_table(),
+                       flops_by_op=cost.flops_by_op())
+
+
+def peak_phase(phases: dict) -> dict:
+    """The snapshot of the phase with the larger total: the step's peak."""
+    return dict(max(phases.values(), key=lambda snap: snap.get("Total", 0)))
+
+
+def build(cfg, layout: Layout, mesh, ep_mesh, keep):
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with program_for("cuda"):  # the GPU's program (float8 TP styles), built on CPU
+        built = build_parallel_model(cfg, layout, mesh, ep_mesh, torch.device("cpu"), None, schedule=False,
+                                     storage=lambda: fake, keep_layers=keep)
+    return built, fake
+
+
+def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
+    """One step of a model without pipeline stages (the layers in `keep`, or all), tracked."""
+    built, fake = build(cfg, layout, mesh, ep_mesh, keep)
+    device = torch.device("cpu")
+    with fake:
+        model = built.model
+        opt = build_optimizer(model, cfg)
+        L, B, vocab = layout.seq_len, layout.local_batch, layout.args.vocab_size
+        R = B * layout.rows_per_sample  # dpo: a pair is two rows (and its pair number rides along)
+        extra = (torch.zeros(B, dtype=torch.int64),) if layout.rows_per_sample == 2 else ()
+        if cfg.training.objective == "grpo":  # the training step over rollout rows (the rollouts' KV cache: not planned)
+            extra = (RolloutRows(torch.zeros(R), torch.zeros(R, L)),)
+        batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *extra),
+                                  layout.accum)
+        loss = loss_function(cfg, built)
+        if isinstance(loss, GRPOLoss):
+            loss.token_scale = 1.0  # dapo: fake rollouts have no token count; one number either way
+        if isinstance(loss, DPOLoss):
+            loss.table = torch.zeros(1, 2, dtype=torch.float64)  # reference log-probs: values do not change the plan
+        if isinstance(loss, GlobalTargetMean):
+            loss.scale = 1.0  # sft: fake labels have no count to read; the scale is one number either way
+        # The trainer's own microbatch loop, over the (at most three) microbatches planned.
+        ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss), accum=len(batches), targets=None)
+        loss_group = mesh["dp_cp"].get_group()
+        step = update_step(lambda: (dist.all_reduce(forward_backward(ms, batches), group=loss_group),
+                              router_stats(built, layout, mesh)), model, opt, [])
+        state = create_optimizer_state(model, opt)
+        layers = getattr(model, layout.spec.layers_attr, None)
+        marks = {block: key for key, block in layers.items()} if isinstance(layers, torch.nn.ModuleDict) else {}
+        m = track_step(lambda between: (step(between), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches,
+                       phased=True, marks=marks)
+        return {"step": m, "state": state, "reports": {0: dict(model.torchmeg_report)}}
+
+
+def create_optimizer_state(model, opt) -> int:
+    """Step 1's lasting effect without running step 1: zero gradients and one update create the
+    optimizer's state. -> parameter + gradient + optimizer bytes, counted when all three exist
+    (where the trainer measures model_state_mib)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    # torch's Adam / AdamW create their state in step()'s _init_group, then do the update's arithmetic
+    # in the module-level adam(): untracked, on fake tensors, that arithmetic is 14% of a trace's time
+    # and leaves nothing behind, so it is skipped here (other optimizers, Muon's, step in full).
+    adam = importlib.import_module("torch.optim.adam")  # (the submodule: torch.optim hides the name)
+    saved = adam.adam
+    adam.adam = lambda *a, **k: None
+    try:
+        opt.step()
+    finally:
+        adam.adam = saved
+    state = model_state_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
+    return state
+
+
+def update_step(forward_backward, model, opt, extra_groups):
+    """The trainer's step after forward/backward: the grad norm (one reduction per placement
+    group) and the optimizer update. Clipping (one multiply per gradient) is left out: fake
+    tensors hold no norm to compare with max_norm."""
+
+    def run(between=lambda: None):
+        forward_backward()
+        between()
+        grad_norm(list(model.parameters()), extra_groups)
+        opt.step()
+    return run
+
+
+def router_stats(built, layout: Layout, mesh) -> None:
+    """The step's MoE balancing / router log collectives, as the trainer issues them."""
+    reduce_router_stats(*router_modules(built.parts), layout.args, layout.dims, mesh, "cpu")
+
+
