@@ -62,6 +62,10 @@ def render(p: dict) -> str:
                      f"{_g(r['optimizer_bytes']):<7} {_g(r['activation_bytes']):<7} {_g(r['peak_bytes']):<7} "
                      f"{_g(r['need_bytes']):<7} {'yes' if r['fits'] else 'NO'}")
     for r in p["ranks"]:
+        if r.get("rollout_peak_bytes") is not None:
+            lines.append(f"rank {r['rank']}: GRPO's rollout peaks at {_g(r['rollout_peak_bytes'])} GiB (every FSDP module "
+                         f"unsharded, the KV cache of its rows, their packed prefill; in the peak above when larger)")
+    for r in p["ranks"]:
         lines += ["", f"rank {r['rank']}: bytes per step by mesh dim / collective"
                   f"   (count, buffer GiB, sent per rank GiB, seconds at peak, predicted exposed seconds)"]
         for key, c in r["comm"].items():

@@ -98,7 +98,9 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "optimizer_bytes": mem.get("Optstate", 0), "buffer_bytes": mem.get("Buffer", 0),
             "activation_bytes": activation_bytes(mem), "peak_bytes": mem.get("Total", 0),
             "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"),
-            "traced_layers": r.get("traced_layers"), **pred})
+            "traced_layers": r.get("traced_layers"),
+            # GRPO: the rollout's own peak (torchmeg.plan.post_training); the peak above is the larger phase's
+            "rollout_peak_bytes": (r.get("memory_phases") or {}).get("rollout", {}).get("Total"), **pred})
     step = max(x["step_s"] for x in rows)
     pred = max(x["predicted_step_s"] for x in rows)
     whole = p.whole

@@ -17,6 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import model_state_bytes
 from torchmeg.parallel.parallelize import program_for
+from torchmeg.plan.post_training import reference_copy, rollout_peak
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
@@ -54,16 +55,17 @@ class MicrobatchMarks:
 
 
 def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: bool = False,
-               marks: dict | None = None) -> Measurement:
+               marks: dict | None = None, held: list | None = None) -> Measurement:
     """Run `run()` (one training step) under MemTracker + StepCost. With `microbatches` (a
     MicrobatchMarks the step iterates), its middle microbatch's ops and collectives count
     `microbatches.more` extra times. `phased`: run(between) calls between() once forward and backward
     are done, and memory_phases holds the peak of each side of it (forward_backward, update): each
     scales with the depth on its own line (activations; state + gradients), so a plan that traces a
     few layers takes the larger only once scaled (torchmeg.plan.depth); `marks` (block -> layer key)
-    split the backward further, at each of those blocks (memory.step_memory)."""
+    split the backward further, at each of those blocks (memory.step_memory); `held`: tensors the
+    trainer keeps beside the model and optimizer (GRPO's reference weights)."""
     mt = step_memory(marks)
-    mt.track_external(*model_parts, optimizer)
+    mt.track_external(*model_parts, optimizer, *(held or []))
     cost = StepCost(labels)
     if microbatches is not None:
         microbatches.cost, microbatches.memory = cost, mt
@@ -125,8 +127,10 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
         L, B, vocab = layout.seq_len, layout.local_batch, layout.args.vocab_size
         R = B * layout.rows_per_sample  # dpo: a pair is two rows (and its pair number rides along)
         extra = (torch.zeros(B, dtype=torch.int64),) if layout.rows_per_sample == 2 else ()
-        if cfg.training.objective == "grpo":  # the training step over rollout rows (the rollouts' KV cache: not planned)
-            extra = (RolloutRows(torch.zeros(R), torch.zeros(R, L)),)
+        if cfg.training.objective == "grpo":  # the training step over rollout rows (the rollout itself: a phase of its own)
+            g = cfg.grpo  # (and the old policy's / the reference's log-probs where the loss reads them)
+            extra = (RolloutRows(torch.zeros(R), torch.zeros(R, L), torch.zeros(R, L) if g.num_iterations > 1 else None,
+                                 torch.zeros(R, L) if g.beta != 0.0 else None),)
         batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *extra),
                                   layout.accum)
         loss = loss_function(cfg, built)
@@ -142,10 +146,13 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
         step = update_step(lambda: (dist.all_reduce(forward_backward(ms, batches), group=loss_group),
                               router_stats(built, layout, mesh)), model, opt, [])
         state = create_optimizer_state(model, opt)
+        reference = reference_copy(cfg, model)  # (GRPO's, held for the whole run: torchmeg.plan.post_training)
         layers = getattr(model, layout.spec.layers_attr, None)
         marks = {block: key for key, block in layers.items()} if isinstance(layers, torch.nn.ModuleDict) else {}
         m = track_step(lambda between: (step(between), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches,
-                       phased=True, marks=marks)
+                       phased=True, marks=marks, held=reference)
+        if cfg.training.objective == "grpo":
+            m["memory_phases"]["rollout"] = rollout_peak(cfg, layout, mesh, model, opt, reference)
         return {"step": m, "state": state, "reports": {0: dict(model.torchmeg_report)}}
 
 

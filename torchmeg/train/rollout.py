@@ -24,7 +24,8 @@ import torch
 from torchmeg.batching.generation import Sampling
 from torchmeg.parallel.data import fsdp_modules
 from torchmeg.batching.engine import Engine
-from torchmeg.batching.scheduler import Job
+from torchmeg.batching.runner import ModelRunner
+from torchmeg.batching.scheduler import Job, Plan
 
 
 @dataclass
@@ -94,3 +95,19 @@ def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out, {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.completion) for r in out)}
+
+
+@torch.no_grad()
+def longest_prefill(model, device, rows: int, prompt_len: int, max_len: int, on_values=contextlib.nullcontext) -> None:
+    """The rollout's largest step, for the planner (torchmeg.plan.post_training): the engine's slot KV
+    cache for `rows` sequences of `max_len` positions and the packed prefill of `rows` prompts of
+    `prompt_len` tokens, the runner's own forward. `on_values()` wraps the slots' bookkeeping
+    (positions from the prompts' lengths, read back as lists): on fake tensors it must run on values."""
+    runner = ModelRunner(model, device, rows, max_len)
+    bind = runner.cache.bind_packed
+
+    def bind_on_values(*args):
+        with on_values():
+            return bind(*args)
+    runner.cache.bind_packed = bind_on_values
+    runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(rows)]))
