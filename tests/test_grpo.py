@@ -310,11 +310,13 @@ def test_the_watchdog_times_rollouts_apart_from_the_step():
 
 
 @pytest.mark.slow
-def test_lora_recompute_bf16_with_a_reference_and_iterations(tmp_path):
-    """LoRA adapters, full recompute and bf16 (FSDP's mixed precision on one rank) with beta > 0 and
-    num_iterations 2: the reference swap after the old policy's forward (which leaves FSDP's root
-    unsharded) runs, and the KL is logged."""
-    metrics, rolled = _run(tmp_path, ["--lora.enable=true", "--activation_checkpoint.mode=full",
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full_weights"])
+def test_lora_recompute_bf16_with_a_reference_and_iterations(tmp_path, lora):
+    """LoRA adapters or not, full recompute and bf16 (FSDP's mixed precision on one rank) with beta > 0
+    and num_iterations 2: the reference's forward after the old policy's (which leaves FSDP's root
+    unsharded) runs — under LoRA the base with the adapters off, without it the copy swapped in — and
+    the KL is logged."""
+    metrics, rolled = _run(tmp_path, [f"--lora.enable={str(lora).lower()}", "--activation_checkpoint.mode=full",
                                       "--training.mixed_precision=bf16", "--grpo.beta=0.1", "--grpo.num_iterations=2",
                                       "--training.steps=4"])
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all("kl" in m for m in metrics)
@@ -335,8 +337,8 @@ def test_moe_router_load_counts_training_tokens_only(tmp_path):
 @pytest.mark.slow
 def test_a_resume_keeps_the_reference_of_the_start_with_lora(tmp_path):
     """beta > 0 with LoRA from a base checkpoint: a run stopped after step 2 and resumed = the run
-    straight through (loss, KL). The resumed reference is read from checkpoint.initial_load_path,
-    which holds the base model only: the trained adapters must not enter it."""
+    straight through (loss, KL). The reference is the base with the adapters off, before and after the
+    resume: the trained adapters must not enter it."""
     run_cli(TINY + ["--checkpoint.enable=true", "--checkpoint.interval=2", "--training.steps=2",
                     "--validation.enable=false"], tmp_path, name="base")
     args = ["--lora.enable=true", "--grpo.beta=0.1", "--training.steps=4", "--checkpoint.enable=true",

@@ -218,3 +218,35 @@ def test_every_family_takes_adapters_and_learns_through_them(family, tmp_path):
         assert all(any(a.endswith(f".0.{e}") for a in adapted) for e in expect), adapted
     trained, base = read_metrics(tmp_path)[-1]["val_loss"], read_metrics(tmp_path, "base")[-1]["val_loss"]
     assert trained < base - 0.05, (trained, base)
+
+
+def test_adapters_off_is_the_base_model_and_copies_nothing():
+    """models.lora.adapters_off (GRPO's reference under LoRA, as PEFT's disable_adapter): with trained
+    (non-zero) adapters, the forward inside the block is the base model's bit for bit, the adapted one's
+    after; no parameter is copied or changed."""
+    import torch
+    from torch import nn
+
+    from torchmeg.models.lora import adapters_off, attach
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+    torch.manual_seed(0)
+    model = MLP()
+    x = torch.randn(3, 8)
+    base = model(x)
+    attach(model, ["up", "down"], rank=2, alpha=4.0, dropout=0.0)
+    for m in model.modules():
+        if hasattr(m, "B") and isinstance(m.B, nn.Linear):
+            nn.init.normal_(m.B.weight)  # trained adapters: their update is not zero
+    adapted = model(x)
+    before = [p.detach().clone() for p in model.parameters()]
+    with adapters_off(model):
+        off = model(x)
+    assert torch.equal(off, base) and not torch.allclose(adapted, base)
+    assert torch.equal(model(x), adapted)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -30,6 +30,7 @@ class LoRA(nn.Module):
         self.B = nn.Linear(rank, out_features, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.enabled = True  # (adapters_off: the base model's forward)
 
     def forward(self, x):
         return self.B(self.A(self.dropout(x))) * self.scale
@@ -38,7 +39,25 @@ class LoRA(nn.Module):
 def _add_update(module, args, out):
     """The base Linear's forward hook. The adapter is found through the module at each call (a plain
     attribute, not a submodule), so a copy of the model (a pipeline stage) uses its own adapter."""
+    if not module.lora_adapter.enabled:
+        return out
     return out + module.lora_adapter(args[0])
+
+
+class adapters_off:
+    """The base model for the block: every adapter's update left out (PEFT's `disable_adapter()`, the
+    reference TRL's trainers use under PEFT: no copy of any weight)."""
+
+    def __init__(self, model: nn.Module):
+        self.mods = [m for m in model.modules() if isinstance(m, LoRA)]
+
+    def __enter__(self):
+        for m in self.mods:
+            m.enabled = False
+
+    def __exit__(self, *exc):
+        for m in self.mods:
+            m.enabled = True
 
 
 def targets(model: nn.Module, patterns: list[str], block_root: str) -> list[str]:

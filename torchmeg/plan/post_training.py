@@ -1,9 +1,10 @@
 """What post-training holds beside the training step, planned as the trainer holds it.
 
 GRPO (torchmeg.train.grpo, torchmeg.train.rollout):
-- with grpo.beta > 0 a copy of the reference's parameters, each rank its shards, held for the whole
-  run (`grpo.reference_weights`): cloned here from the traced model and told to the tracker, so every
-  phase of the step counts it;
+- with grpo.beta > 0 and no LoRA a copy of the reference's parameters, each rank its shards, held for
+  the whole run (`grpo.reference_weights`): cloned here from the traced model and told to the tracker,
+  so every phase of the step counts it (under LoRA the reference is the base with the adapters off,
+  `models.lora.adapters_off`: nothing held);
 - the rollout before each step: every FSDP module unsharded (`rollout.gathered_weights`), the
   engine's slot KV cache for the rank's rows (global batch / data-parallel shares) at the longest
   prompt plus the longest completion, and the packed prefill of every prompt at its longest
@@ -25,8 +26,8 @@ from torchmeg.train.rollout import gathered_weights, longest_prefill
 
 def reference_copy(cfg, model) -> list[torch.Tensor]:
     """GRPO with beta > 0: the trainer's copy of every local parameter shard (else nothing)."""
-    if cfg.training.objective != "grpo" or cfg.grpo.beta == 0.0:
-        return []
+    if cfg.training.objective != "grpo" or cfg.grpo.beta == 0.0 or cfg.lora.enable:
+        return []  # (under LoRA the reference is the base with the adapters off: no copy)
     with torch.no_grad():
         return [p.detach().clone() for p in model.parameters()]
 

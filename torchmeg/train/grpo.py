@@ -31,7 +31,7 @@ from torchmeg.checkpoint.manager import weights_from
 from torchmeg.config.errors import ConfigError
 from torchmeg.batching.generation import Sampling
 from torchmeg.kernels.fused_ce import IGNORE
-from torchmeg.models.lora import is_adapter
+from torchmeg.models.lora import adapters_off
 from torchmeg.parallel.data import reshard_all
 from torchmeg.train import rollout
 from torchmeg.train.grpo_loss import RolloutRows, advantages, nanstd, token_logps
@@ -157,7 +157,7 @@ class GRPOBatches:
             for b in self.micro:
                 b[2].old = self._logps(ms, b)
         if g.beta != 0.0:
-            with swapped(self.t.model, self.reference):
+            with adapters_off(self.t.model) if self.reference is ADAPTERS_OFF else swapped(self.t.model, self.reference):
                 for b in self.micro:
                     b[2].ref = self._logps(ms, b)
 
@@ -241,13 +241,20 @@ class swapped:
         self.saved = None
 
 
-def reference_weights(trainer) -> tuple[list[torch.Tensor] | None, str]:
-    """grpo.beta > 0: a copy of the reference's parameters (each rank its shards), the weights the run
-    starts from: taken at step 0, or read back from checkpoint.initial_load_path on a resume.
+ADAPTERS_OFF = "adapters off"  # (the reference under LoRA: models.lora.adapters_off, no copy)
+
+
+def reference_weights(trainer) -> tuple[list[torch.Tensor] | str | None, str]:
+    """grpo.beta > 0: under LoRA the base model (ADAPTERS_OFF: the adapters switched off, as TRL with
+    PEFT; the adapters start at B = 0, so it is also the model the run started from); otherwise a copy
+    of the reference's parameters (each rank its shards), the weights the run starts from: taken at
+    step 0, or read back from checkpoint.initial_load_path on a resume.
     -> (the copy or None, the header's note)."""
     cfg = trainer.cfg
     if cfg.grpo.beta == 0.0:
         return None, "no reference model (grpo.beta = 0)"
+    if cfg.lora.enable:  # the frozen base is the reference: TRL under PEFT, and what the run started from (B = 0)
+        return ADAPTERS_OFF, "reference: the base model, the adapters switched off (no copy of any weight)"
     params = list(trainer.model.parameters())
     if trainer.state.step == 0:
         return ([p.detach().clone() for p in params],
@@ -258,7 +265,5 @@ def reference_weights(trainer) -> tuple[list[torch.Tensor] | None, str]:
                           f"weights the run started from), which only checkpoint.initial_load_path can give back; "
                           f"set it to the checkpoint the run started from, or start the run anew")
     with weights_from(trainer.model, where, "checkpoint.initial_load_path") as source:
-        # (LoRA: the checkpoint holds the base model; the adapters the run started with added nothing)
-        reference = [torch.zeros_like(p) if is_adapter(n) else p.detach().clone()
-                     for n, p in trainer.model.named_parameters()]
+        reference = [p.detach().clone() for p in trainer.model.parameters()]
     return reference, f"reference: {source} (checkpoint.initial_load_path)"
