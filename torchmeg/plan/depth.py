@@ -17,7 +17,7 @@ run of blocks of one kind the bytes change linearly and peak at the run's first 
 traced (the 70B plan at FSDP 64 peaks in the second-to-last block's backward, 0.8 GiB above the last
 one's). Layers of kinds with the same n_k go into one trace together, so llama3_70b (80 layers, one
 kind) traces 4 + 5 layers, gpt-oss (windowed and full alternating) 6 + 8, a DeepSeek-V3 stage (dense
-then MoE) 6 + 7 + 7 at most.
+then MoE: its 3 dense layers all in the base) 6 + 7.
 
 What is traced is still the real program: the trainer's build with the layers not kept removed from
 the model before the pipeline split and parallelize(), then one step on fake tensors. Every number
