@@ -176,3 +176,42 @@ def test_sampled_plan_equals_the_plan_of_every_layer(name, recipe, world, args, 
             assert b[k] == pytest.approx(a[k], rel=1e-6), k
         else:
             assert b[k] == a[k], (k, a[k], b[k])
+
+
+@pytest.mark.slow
+def test_search_ranks_every_layout_and_says_why_each_lost(tmp_path):
+    """--search over every candidate layout of the debug model on 4 ranks: each one is planned or ruled
+    out (never silently dropped); the ranking is by predicted step and each below the best says why it
+    lost; a layout ruled out as not fitting does not fit when planned on its own, and the best's
+    numbers are its own plan's (the pooled, shared traces change nothing)."""
+    from torchmeg.plan.search import candidates, describe
+    recipe = os.path.join(ROOT, "recipes", "debug_llama.toml")
+    # debug blocks at 8B widths (the trace's cost follows the ops, not the widths) and 8k tokens: some
+    # layouts do not fit an 80 GB part, so the rule that rules layouts out is exercised
+    args = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=8",
+            "--data.seq_len=8192", "--model.max_seq_len=8192", "--training.local_batch_size=16",
+            "--data.document_masking=false"]
+    out = tmp_path / "search.json"
+    p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", recipe, "--world", "2", "--search", "--top", "50",
+                  "--gpu", "a100", "--json", str(out)] + args, dict(os.environ, OMP_NUM_THREADS="1"), 600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    found = json.load(open(out))
+    cands = {describe(c) for c in candidates(load_config(recipe, args), 2, 8)}
+    rows = {r["layout"]: r for r in found["planned"]}
+    assert set(rows) == cands and len(cands) > 20
+    ranked = found["ranked"]
+    assert [r["predicted_step_s"] for r in ranked] == sorted(r["predicted_step_s"] for r in ranked)
+    assert all(r["why"] for r in ranked[1:]) and all(r["fits"] for r in ranked)
+    ruled_out = [r for r in rows.values() if not r["traced"]]
+    assert ruled_out and all(not r["fits"] and "already needs" in r["why"] for r in ruled_out)
+    for r in ruled_out[:1] + [ranked[0]]:  # (one of each, planned alone)
+        c = next(c for c in candidates(load_config(recipe, args), 2, 8) if describe(c) == r["layout"])
+        alone = _plan_cfg(c, tmp_path / "alone.json")
+        assert alone["fits"] == r["fits"]
+        if r["traced"]:
+            assert alone["predicted_step_s"] == pytest.approx(r["predicted_step_s"], rel=1e-9)
+
+
+def _plan_cfg(cfg, out) -> dict:
+    from torchmeg.plan.planner import plan
+    return plan(cfg, 2, "a100", isolate=True)
