@@ -6,16 +6,16 @@ settings: dense or MoE, windowed or full attention, recomputed or not) cost the 
 the planner measures: FLOPs, each op's bytes, each collective's bytes, the activations held to the
 backward, the parameters, gradients and optimizer state. So a step's numbers are
 
-    R(all layers) = R(B) + sum over kinds k of (n_k - 1) * (R(B + one more layer of kind k) - R(B))
+    R(all layers) = R(B) + sum over kinds k of (m_k - 2) * (R(B + one more layer of kind k) - R(B))
 
 where B keeps, in each pipeline stage, the first and the last layer (what differs by position: the
 last block's backward starts the pass and is not re-gathered) and the first and the last middle
-layer of each kind, and n_k counts the stage's middle layers of kind k beyond those two. Memory is
+layer of each kind, and m_k counts the stage's middle layers of kind k (m_k - 2 of them not in B). Memory is
 scaled segment by segment (the backward split at every traced block, memory.step_memory): in backward
 a rank holds the activations of the blocks still to come and the gradients of those done, so over a
 run of blocks of one kind the bytes change linearly and peak at the run's first or last block, both
 traced (the 70B plan at FSDP 64 peaks in the second-to-last block's backward, 0.8 GiB above the last
-one's). Layers of kinds with the same n_k go into one trace together, so llama3_70b (80 layers, one
+one's). Layers of kinds with the same m_k go into one trace together, so llama3_70b (80 layers, one
 kind) traces 4 + 5 layers, gpt-oss (windowed and full alternating) 6 + 8, a DeepSeek-V3 stage (dense
 then MoE: its 3 dense layers all in the base) 6 + 7.
 
@@ -133,8 +133,8 @@ def combine(results: list, coeffs: list[int]):
 def _comb(vals: list, coeffs: list[int], key):
     present = [v for v in vals if v is not None]
     first = present[0]
-    if isinstance(first, bool) or isinstance(first, str) or first is None:
-        return vals[0] if vals[0] is not None else first
+    if isinstance(first, (bool, str)):
+        return first
     if isinstance(first, (int, float)):
         if key == "ranks":
             return max(present)
@@ -149,7 +149,7 @@ def _comb(vals: list, coeffs: list[int], key):
         return out
     if key in ("ops", "reduce_ops"):
         return combine_ops([v or [] for v in vals], coeffs)
-    return vals[0] if vals[0] is not None else first
+    return first
 
 
 def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:

@@ -70,19 +70,21 @@ class DryRun:
     def finish(self, pieces: dict, isolate: bool = False) -> list[dict]:
         """pieces: job -> what it traced. -> one entry per pipeline rank, sorted by rank."""
         layout, st = self.layout, self.layout.stages
+        sampled = list(self.traces)
+        traced = [len(t.keep) if t.keep is not None else layout.args.n_layers for t in sampled]
         out = []
         for g in self.groups:
-            traced = [len(t.keep) if t.keep is not None else layout.args.n_layers for t in self.traces]
             try:
                 base = pieces[self.key, g[0], 0]
-                m = depth.combine([pieces.get((self.key, g[0], i), base) for i in range(len(self.traces))],
-                                  [t.coeff for t in self.traces])
+                m = depth.combine([pieces.get((self.key, g[0], i), base) for i in range(len(sampled))],
+                                  [t.coeff for t in sampled])
+                m["traced_layers"] = traced
             except depth.NotLinear:  # (no recipe does this; such a model is still planned, tracing every layer)
-                self.traces = [depth.Trace(None, st.layers if st is not None else None, 1)]
-                m, = run_jobs([(self.key, g[0], 0)], isolate)
-                traced = [layout.args.n_layers]
+                if len(self.traces) == len(sampled):  # (one more trace, of every layer, for the children to find)
+                    self.traces.append(depth.Trace(None, st.layers if st is not None else None, 1))
+                m, = run_jobs([(self.key, g[0], len(sampled))], isolate)
+                m["traced_layers"] = [layout.args.n_layers]
             m["report"] = " | ".join(describe_report(r) for r in m["reports"].values())
-            m["traced_layers"] = traced
             out += pipeline_ranks(self.cfg, layout, m, g) if layout.dims.pp > 1 else [_single_rank(m)]
         return sorted(out, key=lambda r: r["rank"])
 

@@ -4,8 +4,11 @@ the ones that fit ranked by predicted step time.
 Enumerated: tp in 1, 2, 4, 8 (inside a node), pp in 1, 2, 4, 8 (1F1B, one sequence per microbatch,
 layers divisible by pp), cp in 1, 2, 4, 8 when seq_len >= 32k, dp_shard = the rest, recompute none /
 selective / full, local batch 1, 2, 4, 8, 16 (gradient accumulation makes up the global batch).
-Layouts the model or batch cannot take are dropped by the recipe checks; at most `limit` are
-planned, the simplest first (no pp, no cp, least recompute, most TP inside the node, largest local batch).
+Layouts the model or batch cannot take are dropped by the recipe checks; every other one is
+planned (`limit`: the first that many, the simplest first: no pp, no cp, least recompute, most TP
+inside the node, largest local batch). All their traces run in one pool (_trace_in_order): layouts
+whose traced programs are identical share them (traced_program), and one that holds at least as much
+as a layout found not to fit is reported as not fitting without a trace (_dominated_by).
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ MODE_MEMORY = {"full": 0, "selective": 1, "none": 2}  # least to most activation
 
 def _memory_order(c) -> tuple:
     """Within one sharding (tp, pp, cp), the layouts that hold least first: more recompute, smaller
-    local batch. A layout that does not fit makes every one after it on both counts unable to."""
+    local batch (a layout that does not fit rules out the ones after it: _dominated_by)."""
     p = c.parallelism
     return (p.pipeline_parallel_degree, p.context_parallel_degree, -p.tensor_parallel_degree,
             MODE_MEMORY[c.activation_checkpoint.mode], c.training.local_batch_size)
@@ -127,7 +130,7 @@ def _trace_in_order(prepared, alias, finished, rows) -> int:
                     continue
                 over = next((o for o in no_fit if _dominated_by(c, p.layout.accum, o[0], o[2])), None)
                 if over is not None:
-                    rows[p.run.key] = {"layout": describe(c), "fits": False, "traced": False, "need_gib": float("nan"),
+                    rows[p.run.key] = {"layout": describe(c), "fits": False, "traced": False, "need_gib": None,
                                        "why": f"does not fit: {describe(over[0])} already needs {over[1]:.1f} GiB"}
                     continue
                 for job in waiting[p.run.key] - submitted:
@@ -197,11 +200,11 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_no
     # Layouts whose traced programs are identical (pipeline layouts that differ only in how the same
     # microbatches are counted as local batch x accumulation) share their traces.
     same: dict[tuple, tuple] = {}
+    alias = {}
     for _, p in prepared:
         sig = traced_program(p.run)
         for job in p.run.jobs:
-            same.setdefault((sig, *job[1:]), job)
-    alias = {job: same[(traced_program(p.run), *job[1:])] for _, p in prepared for job in p.run.jobs}
+            alias[job] = same.setdefault((sig, *job[1:]), job)
     rows = {}
 
     def finished(key: int, pieces: dict) -> dict:

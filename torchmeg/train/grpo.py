@@ -21,8 +21,10 @@ the training step's.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,8 +68,8 @@ class GRPOBatches:
         self._served = 0
         self.window: list[dict] = []  # the rollouts' metrics since the last logged step
         self.log_path = os.path.join(cfg.run_dir, "completions.jsonl") if g.log_completions else None
-        # the reference's parameters (beta > 0), and the header's line on them
-        self.reference, self.note = reference_weights(trainer)
+        # how the reference's forward runs (beta > 0), and the header's line on it
+        self.as_reference, self.note = reference_weights(trainer)
 
     def __iter__(self):
         return self
@@ -157,7 +159,7 @@ class GRPOBatches:
             for b in self.micro:
                 b[2].old = self._logps(ms, b)
         if g.beta != 0.0:
-            with adapters_off(self.t.model) if self.reference is ADAPTERS_OFF else swapped(self.t.model, self.reference):
+            with self.as_reference():
                 for b in self.micro:
                     b[2].ref = self._logps(ms, b)
 
@@ -221,8 +223,6 @@ class swapped:
     one set of values into the other's forward."""
 
     def __init__(self, model, reference):
-        if reference is None:
-            raise ConfigError("grpo.beta > 0: the reference weights were not kept")
         self.model, self.params, self.reference, self.saved = model, [], reference, None
 
     def __enter__(self):
@@ -241,29 +241,27 @@ class swapped:
         self.saved = None
 
 
-ADAPTERS_OFF = "adapters off"  # (the reference under LoRA: models.lora.adapters_off, no copy)
-
-
-def reference_weights(trainer) -> tuple[list[torch.Tensor] | str | None, str]:
-    """grpo.beta > 0: under LoRA the base model (ADAPTERS_OFF: the adapters switched off, as TRL with
-    PEFT; the adapters start at B = 0, so it is also the model the run started from); otherwise a copy
-    of the reference's parameters (each rank its shards), the weights the run starts from: taken at
-    step 0, or read back from checkpoint.initial_load_path on a resume.
-    -> (the copy or None, the header's note)."""
-    cfg = trainer.cfg
+def reference_weights(trainer) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str]:
+    """grpo.beta > 0: how the reference's forward runs -> (a factory of the block in which the model is
+    the reference, or None; the header's note). Under LoRA the base model, the adapters switched off (as
+    TRL with PEFT; they start at B = 0, so it is also the model the run started from): no copy.
+    Otherwise a copy of the reference's parameters (each rank its shards) swapped in: the weights the
+    run starts from, taken at step 0 or read back from checkpoint.initial_load_path on a resume."""
+    cfg, model = trainer.cfg, trainer.model
     if cfg.grpo.beta == 0.0:
         return None, "no reference model (grpo.beta = 0)"
     if cfg.lora.enable:  # the frozen base is the reference: TRL under PEFT, and what the run started from (B = 0)
-        return ADAPTERS_OFF, "reference: the base model, the adapters switched off (no copy of any weight)"
-    params = list(trainer.model.parameters())
+        return (lambda: adapters_off(model)), "reference: the base model, the adapters switched off (no copy of any weight)"
+    params = list(model.parameters())
     if trainer.state.step == 0:
-        return ([p.detach().clone() for p in params],
+        copy = [p.detach().clone() for p in params]
+        return ((lambda: swapped(model, copy)),
                 f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)")
     where = cfg.checkpoint.initial_load_path
     if not where:
         raise ConfigError(f"grpo.beta = {cfg.grpo.beta}: resuming at step {trainer.state.step} needs the reference (the "
                           f"weights the run started from), which only checkpoint.initial_load_path can give back; "
                           f"set it to the checkpoint the run started from, or start the run anew")
-    with weights_from(trainer.model, where, "checkpoint.initial_load_path") as source:
-        reference = [p.detach().clone() for p in trainer.model.parameters()]
-    return reference, f"reference: {source} (checkpoint.initial_load_path)"
+    with weights_from(model, where, "checkpoint.initial_load_path") as source:
+        reference = [p.detach().clone() for p in model.parameters()]
+    return (lambda: swapped(model, reference)), f"reference: {source} (checkpoint.initial_load_path)"
