@@ -149,26 +149,42 @@ def test_peft_loads_the_adapters_with_torchmegs_logits(tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_on_a_transformers_model_exports_for_peft(tmp_path):
-    """model.name = "hf" (transformers' LlamaForCausalLM, its own module names): LoRA on chosen modules,
-    TP2 = one process, and the adapter exported at the end of the run loads in peft with torchmeg's
-    logits of the run's last checkpoint."""
+def test_lora_on_a_transformers_folder_trains_in_every_layout_and_exports_for_peft(tmp_path):
+    """model.name = "hf" + [lora] + checkpoint.initial_load_hf (a folder transformers wrote: the
+    adapters start at B = 0 beside the loaded base): TP2 = one process, FSDP2 resumed from one process's
+    step-3 checkpoint = its steps 4-6, the exported base is the folder's tensors bit for bit, and the
+    adapter loads in peft with torchmeg's logits of the run's last checkpoint."""
+    import shutil
     import torch.distributed.checkpoint as dcp
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
     from torchmeg.config.schema import load_config
     from torchmeg.models import build_model
     from torchmeg.train.build import add_adapters
+    hf_cfg = json.load(open(os.path.join(ROOT, "recipes/hf/llama_debug.json")))
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg)).save_pretrained(str(tmp_path / "start"))
     common = ["--config", "recipes/hf_llama_debug.toml", "--lora.enable=true", "--lora.rank=4", "--lora.alpha=8",
               "--lora.target_modules=['model.layers.*.self_attn.q_proj', 'model.layers.*.mlp.down_proj']",
               "--training.steps=6", "--optimizer.lr=1e-2", "--lr_scheduler.warmup_steps=1", "--data.seq_len=64",
               "--training.local_batch_size=4", "--validation.enable=false", "--metrics.enable_tensorboard=false",
-              "--checkpoint.enable=true", "--checkpoint.interval=6", "--training.deterministic=true"]
+              "--checkpoint.enable=true", "--checkpoint.interval=3", "--training.deterministic=true", "--metrics.log_freq=1",
+              f"--checkpoint.initial_load_hf={tmp_path / 'start'}"]
     p = run_cli(common + ["--checkpoint.export_hf=true"], tmp_path, name="one")
     assert "8 adapters on model.layers.*.self_attn.q_proj" in p.stdout, p.stdout[:3000]
+    assert f"init       from Hugging Face weights in {tmp_path / 'start'}" in p.stdout, p.stdout[:3000]
+    one = read_metrics(tmp_path, "one")
     run_cli(common + [P + "tensor_parallel_degree=2"], tmp_path, nproc=2, name="tp")
-    assert_parity(read_metrics(tmp_path, "one"), read_metrics(tmp_path, "tp"), keys=("loss", "grad_norm"))
+    assert_parity(one, read_metrics(tmp_path, "tp"), keys=("loss", "grad_norm"))
+    shutil.copytree(tmp_path / "one" / "checkpoint" / "step-00000003", tmp_path / "fsdp" / "checkpoint" / "step-00000003")
+    p = run_cli(common + [P + "data_parallel_shard_degree=2", "--training.local_batch_size=2"], tmp_path, nproc=2,
+                name="fsdp")
+    assert_resumed(p, 3)
+    assert_parity(one[3:], read_metrics(tmp_path, "fsdp"), keys=("loss", "grad_norm"))
     hf = tmp_path / "one" / "checkpoint" / "hf"
+    base, start = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "start" / "model.safetensors"))
+    assert sorted(base) == sorted(start) and all(torch.equal(base[k], start[k]) for k in start)  # frozen, exact
     config = json.loads((hf / "adapter" / "adapter_config.json").read_text())
     assert sorted(config["target_modules"])[:2] == ["model.layers.0.mlp.down_proj", "model.layers.0.self_attn.q_proj"]
     cfg = load_config(os.path.join(ROOT, "recipes/hf_llama_debug.toml"), [a for a in common[2:] if a.startswith("--lora")])
@@ -183,6 +199,8 @@ def test_lora_on_a_transformers_model_exports_for_peft(tmp_path):
         want = want.logits if hasattr(want, "logits") else want
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(hf)), str(hf / "adapter")).eval()
         assert_tensor_close(peft(x).logits, want, FP32_PARITY, "peft's logits vs torchmeg's")
+        base_logits = AutoModelForCausalLM.from_pretrained(str(hf))(x).logits
+        assert (base_logits - want).abs().max() > 100 * FP32_PARITY * want.abs().max()  # the adapters matter
 
 
 FAMILIES = {  # model args -> the Linear names all-linear must adapt in block 0
