@@ -35,6 +35,7 @@ from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, f
 from torchmeg.checkpoint.hf import from_hf_state_dict, hf_names, to_hf_state_dict, torchmeg_fqns
 from torchmeg.checkpoint.hf_files import write_safetensors
 from torchmeg.checkpoint.hf_export import hf_config
+from torchmeg.checkpoint.hf_tokenizer import write_generation_files
 from torchmeg.checkpoint.hf_quant import FolderReader, header
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
@@ -80,7 +81,8 @@ def _toml_value(v) -> str:
     return json.dumps(v) if isinstance(v, str) else str(v)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
 
 
 def _copy_tokenizer(src: str, out: str) -> None:
@@ -263,7 +265,8 @@ def to_hf(a, overrides: list[str]) -> None:
         raise ConfigError(f"model.name = {cfg.model.name!r}: to-hf writes the native llama, moe, deepseek_v3 and "
                           f"gpt_oss families (Llama, Qwen3, Qwen3-MoE, DeepSeek-V3, gpt-oss); `hf` models export as "
                           f"they are with checkpoint.export_hf")
-    args = model_args(cfg, build_tokenizer(cfg.data.tokenizer).vocab_size)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    args = model_args(cfg, tokenizer.vocab_size)
     path = os.path.abspath(a.source)
     if not os.path.isfile(os.path.join(path, MARKER)):
         steps = committed_steps(path)
@@ -319,7 +322,9 @@ def to_hf(a, overrides: list[str]) -> None:
         config["torch_dtype"] = str(dtype).replace("torch.", "")
         with open(os.path.join(out, "config.json"), "w") as fh:
             json.dump(config, fh, indent=1)
-        print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]})"
+        write_generation_files(cfg, tokenizer, out)
+        print(f"wrote {out}: {count} safetensors file(s), index, config.json ({config['architectures'][0]}), "
+              f"the tokenizer, generation_config.json"
               + (f"; {len(adapters) // 2} LoRA adapters merged" if adapters and a.merge_lora else ""))
         if adapters and not a.merge_lora:
             sd = {f: _empty(meta, f) for f in adapters}

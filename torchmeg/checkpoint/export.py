@@ -1,6 +1,7 @@
 """A trained model written for transformers at the end of a run (checkpoint.export_hf): gathered on
 rank 0, in transformers' names and layout (checkpoint.hf); LoRA adapters merged into the weights
-(lora.merge_on_export) or beside them in PEFT's format (checkpoint.lora_export)."""
+(lora.merge_on_export) or beside them in PEFT's format (checkpoint.lora_export); the run's tokenizer,
+special ids and generation_config.json beside them (checkpoint.hf_tokenizer)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from torchmeg.checkpoint import lora_export
 from torchmeg.checkpoint.hf_files import save_hf, save_hf_native
+from torchmeg.checkpoint.hf_tokenizer import write_generation_files
+from torchmeg.data.tokenizer import build_tokenizer
 
 
 def export_hf(model, args, cfg, folder: str) -> None:
@@ -26,6 +29,7 @@ def export_hf(model, args, cfg, folder: str) -> None:
         if pairs and cfg.lora.merge_on_export:
             sd = lora_export.merge(sd, pairs, cfg.lora.alpha / cfg.lora.rank)
         (save_hf if name == "llama" else save_hf_native)(sd, args, folder, dtype)
+        write_generation_files(cfg, build_tokenizer(cfg.data.tokenizer), folder)  # a folder that stands alone
         print(f"[checkpoint] HF safetensors written to {folder}" + (" (LoRA merged)" if pairs and cfg.lora.merge_on_export
                                                                     else ""), flush=True)
         if pairs and not cfg.lora.merge_on_export:

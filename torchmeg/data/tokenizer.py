@@ -84,7 +84,7 @@ class HFTokenizer:
         every token a string of byte symbols), None for other tokenizers; special tokens: none."""
         if type(self.tok.decoder).__name__ != "ByteLevel":
             return None
-        symbol = {ch: 1 for ch in _byte_symbols()}
+        symbol = {ch: 1 for ch in byte_symbols()}
         special = {i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         out = [0] * self.vocab_size
         for i in range(self.tok.get_vocab_size()):
@@ -94,7 +94,7 @@ class HFTokenizer:
         return out
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """The 256 printable characters byte-level BPE writes bytes as (GPT-2's bytes_to_unicode)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
