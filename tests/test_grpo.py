@@ -232,8 +232,9 @@ def test_resume_is_exact_and_iterations_reuse_rollouts(tmp_path):
 
 
 def test_rollouts_are_each_sequence_generated_alone(tmp_path):
-    """The engine's rollouts (continuous batching, packed prefill) = torchmeg.batching.generation.generate
-    of each prompt alone with the same seed and sample index: per-sequence seeds, no batch effect."""
+    """The engine's rollouts (continuous batching, packed prefill, a group's prompt computed once) =
+    torchmeg.batching.generation.generate of each prompt alone with the same seed and sample index:
+    per-sequence seeds, no batch effect."""
     from torchmeg.data.chat import ChatTemplate
     from torchmeg.data.tokenizer import build_tokenizer
     from torchmeg.batching.generation import Sampling, generate as generate_alone
@@ -255,6 +256,12 @@ def test_rollouts_are_each_sequence_generated_alone(tmp_path):
     s = Sampling(temperature=1.0, seed=7)
     outs, timing = generate(model, tok, torch.device("cpu"), rows, list(range(6)), s, 20, eos, stops)
     assert timing["tokens"] == sum(len(o.completion) for o in outs)
+    # each group's prompt computed once: its 2 other completions copy it (whole 16-token blocks, the
+    # last token left to compute); the second group's first copies the template's header the two share
+    blocks = lambda n: n // 16 * 16  # noqa: E731
+    shared = len(os.path.commonprefix(prompts))
+    assert timing["prompt_tokens"] == sum(map(len, rows)) and shared >= 16
+    assert timing["cached_prompt_tokens"] == sum(2 * blocks(len(p) - 1) for p in prompts) + blocks(shared)
     for i, o in enumerate(outs):
         alone = generate_alone(model, [rows[i]], 20, -1, s, "cpu", sample_index=i)[0]
         assert o.completion == alone.tokens[:len(o.completion)]

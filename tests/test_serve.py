@@ -6,6 +6,7 @@ drains; TP2 serves what one process serves. The engine in process: tests/test_se
 import http.client
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -377,14 +378,17 @@ def test_sigterm_drain_has_a_deadline(debug_run):
 @pytest.mark.slow
 def test_tp2_serves_what_one_process_serves(debug_run, server):
     """Rank 0 of two answers; both run every forward on half the heads: the same texts as one
-    process, greedy and sampled, requests in flight together; SIGTERM stops both ranks with 0."""
+    process, greedy and sampled, requests in flight together, half of them after one shared
+    53-token prefix (prefix caching: the copies run on both ranks); SIGTERM stops both ranks with 0."""
     tp = Server(debug_run, nproc=2)
     try:
-        reqs = [(p, dict(SAMPLED) if i % 2 else {}) for i, p in enumerate(PROMPTS * 2)]
+        system = "You are a careful Python programmer. Answer in code.\n"
+        reqs = [(p, dict(SAMPLED) if i % 2 else {}) for i, p in enumerate(PROMPTS * 2 + [system + p for p in PROMPTS * 2])]
         with ThreadPoolExecutor(len(reqs)) as pool:
             one = list(pool.map(lambda r: _complete(server.client, r[0], 20, **r[1]), reqs))
             two = list(pool.map(lambda r: _complete(tp.client, r[0], 20, **r[1]), reqs))
         assert two == one
+        assert tp.metrics()["torchmeg_prefix_cache_hits_total"] > 0
         assert tp.stop() == [0, 0]
     finally:
         tp.kill()
@@ -414,3 +418,53 @@ def test_tp2_server_ends_every_rank_when_one_dies(debug_run, killed):
         assert code != 0 and time.time() - t0 < 15 and last != "length", (code, time.time() - t0, s.log())
     finally:
         s.kill()
+
+
+def _mc_task(folder) -> str:
+    """A 32-question multiple-choice task built here (lm-eval's YAML, a local JSON lines file): each
+    question is the start of a line of the standard library's source (indentation stripped), its
+    choices the line's true next 12 characters and three scramblings of them (reversed, sorted,
+    shuffled), the answer's place rotating. -> the task's include folder."""
+    lines = [x.strip() for x in open(os.path.join(os.path.dirname(os.__file__), "argparse.py")).read().splitlines()
+             if len(x.strip()) > 40][::23][:35]
+    docs = []
+    for i, line in enumerate(lines):
+        true = line[24:36]
+        shuffled = list(true)
+        random.Random(i).shuffle(shuffled)
+        choices = [true, true[::-1], "".join(sorted(true)), "".join(shuffled)]
+        if len(set(choices)) == 4 and len(docs) < 32:
+            order = [(i + k) % 4 for k in range(4)]
+            docs.append({"question": line[:24], "choices": [choices[o] for o in order], "answer": order.index(0)})
+    (folder / "mc.jsonl").write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    (folder / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\n"
+        "target_delimiter: ''\nmetric_list:\n  - metric: acc\n")
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_lm_eval_through_the_server_equals_its_hf_backend_on_the_export(debug_run, server, tmp_path):
+    """lm-evaluation-harness 0.4.13, as teams evaluate a served model: `local-completions` against the
+    server (echo + logprobs, token ids from the export's own tokenizer) and `hf` on the checkpoint's
+    standalone export give every log-likelihood within 1e-4 and the same accuracy."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    hf_folder = str(debug_run / "debug" / "checkpoint" / "hf")
+    tasks = TaskManager(include_path=_mc_task(tmp_path))
+    runs = {}
+    for name, args in (("local-completions", dict(model="debug", base_url=server.url + "/v1/completions",
+                                                  tokenizer_backend="huggingface", tokenizer=hf_folder)),
+                       ("hf", dict(pretrained=hf_folder, device="cpu"))):
+        runs[name] = simple_evaluate(model=name, model_args=args, tasks=["tiny_mc"], task_manager=tasks,
+                                     log_samples=True, batch_size=1, random_seed=0, numpy_random_seed=0,
+                                     torch_random_seed=0, fewshot_random_seed=0)
+    served, local = (sorted(runs[n]["samples"]["tiny_mc"], key=lambda s: s["doc_id"]) for n in ("local-completions", "hf"))
+    assert len(served) == len(local) == 32
+    for a, b in zip(served, local):
+        got, want = [r[0] for r in a["resps"]], [r[0] for r in b["resps"]]
+        assert len(got) == 4 and all(abs(g[0] - w[0]) <= 1e-4 * max(1.0, abs(w[0])) for g, w in zip(got, want)), (got, want)
+    accs = [runs[n]["results"]["tiny_mc"]["acc,none"] for n in ("local-completions", "hf")]
+    assert accs[0] == accs[1] and accs[0] > 0.5, accs  # (the model tells code from its scramblings: not chance)

@@ -181,3 +181,43 @@ def test_a_cancel_racing_a_finish_is_harmless():
     cancel(engine, Racing(), 7)
     cancel(engine, {3: "job"}, 3)
     assert cancelled == ["job"]
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss"])
+def test_prompts_sharing_a_prefix_compute_it_once_and_get_their_tokens_alone(name):
+    """Prefix caching: a burst of prompts after one 70-token system prompt (the first computes it, the
+    rest wait one step and copy its 64 whole-block tokens), two more arriving while those decode (copied
+    from a running sequence), a prompt sharing only 10 tokens (under a block: computed whole), an echo
+    request (every position scored: computed whole), a long prompt chunked by the budget. Each gets the
+    tokens `generate` gives it alone, greedy and seeded; with prefix caching off, the same tokens and
+    nothing copied. (gpt_oss: sliding windows and sinks; deepseek_v3: MLA's latent cache.)"""
+    cfg = load_config("recipes/debug_llama.toml", [f"--model.name={name}", "--model.flavor=debug"])
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    g = torch.Generator().manual_seed(3)
+    system = torch.randint(0, 256, (70,), generator=g).tolist()
+    tail = lambda n: torch.randint(0, 256, (n,), generator=g).tolist()  # noqa: E731
+    prompts = [system + tail(5 + i) for i in range(5)] + [system[:10] + tail(60), system + tail(3)]
+    prompts.append(system + tail(100))  # longer than the budget: chunked, after its copied prefix
+    late = [system + tail(7), system[:40] + tail(9)]
+    sampling = [Sampling(temperature=0.9, seed=i) if i % 2 else Sampling() for i in range(len(prompts) + len(late))]
+    results = {}
+    for caching in (True, False):
+        engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=8, max_len=192, max_queue=16, prefill_tokens=64,
+                        prefix_caching=caching)
+        jobs = [Job(p, 6, s, on_event=lambda *e: None, prompt_logprobs=(i == 6), logprobs=0 if i == 6 else -1)
+                for i, (p, s) in enumerate(zip(prompts + late, sampling))]
+        for j in jobs[:len(prompts)]:
+            engine.submit(j)
+        steps = 0
+        while engine.running or engine.waiting:
+            engine.step()
+            steps += 1
+            if steps == 4:
+                for j in jobs[len(prompts):]:
+                    engine.submit(j)
+        results[caching] = [j.tokens for j in jobs], [j.cached_prompt for j in jobs]
+    tokens, cached = results[True]
+    assert cached == [0, 64, 64, 64, 64, 0, 0, 64, 64, 32], cached
+    assert results[False] == (tokens, [0] * len(cached))
+    for i, (p, s) in enumerate(zip(prompts + late, sampling)):
+        assert tokens[i] == generate(model, [p], 6, -1, s, "cpu")[0].tokens, i

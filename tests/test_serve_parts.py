@@ -209,7 +209,7 @@ def test_the_end_of_text_token_is_in_the_ids_and_log_probs_not_the_text():
     client = EngineClient(None, 1, 1, 64)
     mirror = Job(prompt, 1, Sampling(), on_event=lambda *e: None, logprobs=1, prompt_logprobs=True)
     client._event(mirror, 0.0, events[-1][0], events[-1][1], "stop", job.token_logprobs[-1],
-                  job.prompt_token_logprobs, True)
+                  job.prompt_token_logprobs, 0)
     lp = _completion_logprobs(SimpleNamespace(tokenizer=ByteTokenizer()), mirror, echo=True)
     assert len(lp["token_logprobs"]) == len(prompt) + 1 and lp["token_logprobs"][-1] == job.token_logprobs[0][0]
     assert _usage(len(prompt), [mirror])["completion_tokens"] == 1

@@ -8,7 +8,9 @@ Starts `python -m torchmeg.serve` on the recipe's newest checkpoint (or uses the
 then for each prompt set and concurrency sends the same requests through that many client threads,
 streamed, greedy, `ignore_eos` (each generates --max-tokens). Prompt sets, real text (the standard
 library's argparse.py, tokenized by the server's /tokenize) sent as token ids of exact lengths:
-`mix`, lengths spread evenly over 10..1,000 tokens; `fixed`, 12..139 tokens. Per row: request
+`mix`, lengths spread evenly over 10..1,000 tokens; `fixed`, 12..139 tokens; `shared`, 410 tokens of
+which the first 400 are the same in every request (prefix caching's case), and `unrelated`, 410 tokens
+each from elsewhere in the text (the same work without a shared prefix). Per row: request
 throughput, output tokens/s and its ratio to concurrency 1 (one by one), time to first token
 (TTFT), time per output token after the first (TPOT), inter-token latency (ITL, every gap between
 streamed tokens), mean / median / p99. `--engine`: the same requests through the serving engine in
@@ -80,11 +82,14 @@ def prompt_sets(ids: list[int], n: int, names: list[str]) -> dict[str, list[list
     """Token-id prompts cut from real text: `mix` 10..1,000 tokens (evenly spread, shuffled by the
     golden ratio), `fixed` 12..139."""
     lengths = {"mix": [10 + round(990 * ((i * 0.6180339887) % 1)) for i in range(n)],
-               "fixed": [12 + (37 * i) % 128 for i in range(n)]}
+               "fixed": [12 + (37 * i) % 128 for i in range(n)], "unrelated": [410] * n}
     out = {}
     for name in names:
+        if name == "shared":  # one 400-token prefix (a system prompt, few-shot examples), 10 tokens each after it
+            out[name] = [ids[:400] + ids[1000 + 10 * i:][:10] for i in range(n)]
+            continue
         if name not in lengths:
-            raise SystemExit(f"serve_bench: --sets {name!r}: the sets are mix, fixed")
+            raise SystemExit(f"serve_bench: --sets {name!r}: the sets are mix, fixed, shared, unrelated")
         out[name] = [ids[(997 * i) % (len(ids) - L):][:L] for i, L in enumerate(lengths[name])]
     return out
 
@@ -158,7 +163,7 @@ def engine_runner(args, rest):
 
     def run_engine(bodies: list[dict], concurrency: int) -> dict:
         engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
-                        a.prefill_tokens)
+                        a.prefill_tokens, prefix_caching=a.prefix_caching)
         records, ended = [], []
 
         def submit(body):
@@ -242,6 +247,12 @@ def main() -> None:
                   f"{r['output_tokens_per_sec']:,.0f} | {r['vs_first']:.2f}x | "
                   + " | ".join(" / ".join(f"{r[f'{k}_{s}_ms']:,.0f}" for s in ("mean", "median", "p99"))
                                for k in ("ttft", "tpot", "itl")) + " |")
+        by = {(r["set"], r["concurrency"]): r for r in rows}
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            if ("shared", c) in by and ("unrelated", c) in by:
+                a, b = by[("shared", c)], by[("unrelated", c)]
+                print(f"shared prefix vs unrelated prompts at concurrency {c}: {b['seconds'] / a['seconds']:.2f}x "
+                      f"faster in all, TTFT median {b['ttft_median_ms'] / max(a['ttft_median_ms'], 1e-9):.2f}x lower")
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)

@@ -31,10 +31,11 @@ log = logging.getLogger("torchmeg.serve")
 
 class Engine:
     def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
-                 prefill_tokens: int = 2048, channel=None, metrics=None):
+                 prefill_tokens: int = 2048, channel=None, metrics=None, prefix_caching: bool = True):
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
         self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
-        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler)
+        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler,
+                                   prefix_caching=prefix_caching and not self.runner.own_cache)
         self.metrics = metrics if metrics is not None else NoMetrics()  # a server's: batching.metrics.Metrics
         self.output = OutputProcessor(tokenizer, self.metrics)
         self.channel = channel  # TP: sends each Plan to the other ranks
@@ -128,6 +129,7 @@ class Engine:
             return
         self.metrics.steps.inc()
         self.metrics.prompt_tokens.inc(sum(len(c[2]) for c in plan.prefill))
+        self.metrics.cached_prompt_tokens.inc(sum(c[2] for c in plan.copies))
         for job, t, score in zip(jobs, new, scores):
             if job.cancelled:
                 continue

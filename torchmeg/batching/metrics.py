@@ -35,6 +35,8 @@ class Metrics:
         self.requests = Counter("torchmeg_requests", "Sequences submitted", registry=r)
         self.rejected = Counter("torchmeg_rejected", "Sequences refused: the queue was full", registry=r)
         self.prompt_tokens = Counter("torchmeg_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.cached_prompt_tokens = Counter("torchmeg_prefix_cache_hits", "Prompt tokens copied from a cached prefix "
+                                            "instead of computed (prefix caching)", registry=r)
         self.generation_tokens = Counter("torchmeg_generation_tokens", "Tokens generated (completion tokens, an end-of-sequence token included)", registry=r)
         self.steps = Counter("torchmeg_steps", "Engine steps (forwards of the continuous batch)", registry=r)
         self.success = Counter("torchmeg_request_success", "Sequences finished, by reason", ["finished_reason"],
@@ -83,7 +85,7 @@ class _Nothing:
 
 class NoMetrics:
     """Metrics' calls, counting nothing: an engine that no server exports (GRPO's rollouts)."""
-    rejected = requests = prompt_tokens = generation_tokens = steps = success = _Nothing()
+    rejected = requests = prompt_tokens = cached_prompt_tokens = generation_tokens = steps = success = _Nothing()
 
     def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None) -> dict:
         return dict(running=running, waiting=waiting)

@@ -1,9 +1,10 @@
 """The model runner: runs a step's plan (batching.scheduler.Plan) on the model and its KV cache.
 
 Prompts that start this step run packed in one forward (batching.slots.bind_packed: one row, each
-prompt attending to itself), the head on each prompt's last token only; the next chunk of a long
-prompt, or a prompt whose every position is scored (echo), runs alone over its slot; then every
-decoding sequence runs one token in one forward. Every tensor-parallel rank runs the same plan
+prompt attending to itself), the head on each prompt's last token only; chunks that continue a slot
+(the next chunk of a long prompt, the rest of a prompt after its cached prefix) run as rows of one
+forward when they are as long, else alone over their slot, as does a prompt whose every position is
+scored (echo); then every decoding sequence runs one token in one forward. Every tensor-parallel rank runs the same plan
 (`follow`), so their caches stay the same.
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ class ModelRunner:
                 self.own[dst] = self.own.pop(src)
             else:
                 self.cache.move(src, dst, length)
+        for src, dst, length in plan.copies:  # prefix caching (never planned for a model with its own cache)
+            self.cache.move(src, dst, length)
         if self.own_cache:
             return self._forward_each(plan)
         out: list[torch.Tensor | None] = [None] * len(plan.prefill)
@@ -52,6 +55,21 @@ class ModelRunner:
             logits = self.model(tokens, positions=positions, cache=self.cache, last_only=ends)[0]
             for i, row in zip(packed, logits):
                 out[i] = row
+        # Chunks that continue a slot's cache (a long prompt's next chunk, a prompt after its cached
+        # prefix) run together when they are as long: one forward over their slots, each attending to
+        # its own keys (a burst of prompts after one cached system prompt: one forward, not one each).
+        groups: dict[int, list[int]] = {}
+        for i, (slot, start, chunk) in enumerate(plan.prefill):
+            if out[i] is None and slot not in plan.full:
+                groups.setdefault(len(chunk), []).append(i)
+        for n, idx in groups.items():
+            if len(idx) > 1:
+                positions = self.cache.bind([plan.prefill[i][0] for i in idx], [plan.prefill[i][1] for i in idx], n)
+                tokens = torch.tensor([plan.prefill[i][2] for i in idx], dtype=torch.long, device=self.device)
+                head = {"last_only": True} if self.last_only else {}
+                logits = self.model(tokens, positions=positions, cache=self.cache, **head)[:, -1]
+                for i, row in zip(idx, logits):
+                    out[i] = row
         for i, (slot, start, chunk) in enumerate(plan.prefill):
             if out[i] is None:
                 out[i] = self._chunk(plan, slot, chunk, self.cache.bind([slot], [start], len(chunk)), self.cache)[0]

@@ -11,6 +11,16 @@ chunk of it (chunked prefill: a 4,000-token prompt does not stall the running se
 than a step's budget). Every running sequence whose prompt is in the cache decodes one token in
 the same step.
 
+**Prefix caching.** A new prompt whose first tokens are already in another running sequence's slot
+(a chat system prompt, GRPO's `num_generations` completions of one prompt, few-shot examples) starts
+from a copy of those keys and values (`Plan.copies`, in whole blocks of BLOCK tokens, as vLLM's
+hashed blocks) and computes only the rest; a prompt that shares a prefix with one that is being
+prefilled in this very step waits a step for it, so a burst of requests with one system prompt
+computes it once. The copy is a read of the cache (one slot's positions, every layer), where
+computing them is a forward over them: vLLM shares the pages themselves (a page table the attention
+kernel reads; batching.slots says why the slots here are contiguous). Not for prompts whose every
+position is scored (echo: their logits are needed), nor models that keep their own cache.
+
 The plan is all the model runner (batching.runner) needs; under tensor parallel it is what rank 0
 broadcasts. With one slot of max_len per sequence an admitted sequence always fits: there is no
 preemption (a paged cache would admit more sequences than fit at their longest and preempt when
@@ -23,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from torchmeg.batching.generation import Sampling, row_streams
+
+
+BLOCK = 16  # prefix reuse in whole blocks of this many tokens (vLLM's default block size)
 
 
 class QueueFull(Exception):
@@ -56,6 +69,7 @@ class Job:
     sent: int = 0
     stream: int = 0          # its random stream (batching.generation.row_streams)
     finish_reason: str | None = None
+    cached_prompt: int = 0   # prompt tokens copied from another sequence's cache (prefix caching)
     # per generated token, and the end-of-text token that ended it: (logprob, [(token, logprob)...])
     token_logprobs: list = field(default_factory=list)
     prompt_token_logprobs: list = field(default_factory=list)  # per prompt token after the first, alike
@@ -72,11 +86,13 @@ class Job:
 
 @dataclass
 class Plan:
-    """One step's forwards. `moves`: (src, dst, length) slot copies first; `prefill`: (slot, start,
+    """One step's forwards. `moves`: (src, dst, length) slot copies first (a sequence moved); `copies`:
+    (src, dst, length) then, a prompt's cached prefix copied into its slot; `prefill`: (slot, start,
     tokens) prompt chunks; `full`: the slots whose chunk keeps every position's logits (prompt
     log-probs); then one decode token per slot in `rows` (`tokens`, at `starts`; `riders`: rows of
     sequences still prefilling, whose logits are not read)."""
     moves: list[tuple[int, int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
     prefill: list[tuple[int, int, list[int]]] = field(default_factory=list)
     full: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -87,9 +103,10 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, max_len: int, filler: int = 0):
+    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, max_len: int, filler: int = 0,
+                 prefix_caching: bool = True):
         self.max_seqs, self.max_queue, self.prefill_tokens = max_seqs, max_queue, prefill_tokens
-        self.max_len, self.filler = max_len, filler
+        self.max_len, self.filler, self.prefix_caching = max_len, filler, prefix_caching
         self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding)
         self.waiting: deque[Job] = deque()
         self.dropped: list[Job] = []        # cancelled jobs taken out, not yet told (Engine.step: "abort")
@@ -118,18 +135,28 @@ class Scheduler:
             self.dropped += [j for j in self.waiting if j.cancelled]
             self.waiting = deque(j for j in self.waiting if not j.cancelled)
         plan = Plan(moves=self._compact())
-        budget, chunks = self.prefill_tokens, []
+        # what each slot's cache holds as this step starts: the prefixes a new prompt can copy
+        held = [(j.slot, j.prompt, j.prefilled) for j in self.running.values() if j.prefilled] if self.prefix_caching else []
+        budget, chunks, later = self.prefill_tokens, [], []
         for job in sorted(self.running.values(), key=lambda j: j.slot):  # prompts being prefilled go on
             if job.prefilled < len(job.prompt) and budget > 0:
                 budget -= self._chunk(plan, job, budget)
                 chunks.append(job)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             job = self.waiting.popleft()
+            src, reuse = self._prefix(job, held)
+            if self._prefix(job, [(c.slot, c.prompt, c.prefilled) for c in chunks])[1] > reuse:
+                later.append(job)  # a longer prefix of it is being computed now: copy it next step
+                continue
             job.slot = len(self.running)  # (slots 0..n-1 are taken: the compaction above)
             job.stream = int(row_streams([job.prompt], job.sample_index)[0])
             self.running[job.slot] = job
+            if reuse:
+                plan.copies.append((src, job.slot, reuse))
+                job.prefilled = job.cached_prompt = reuse
             budget -= self._chunk(plan, job, budget)
             chunks.append(job)
+        self.waiting.extendleft(reversed(later))
         # One decode row per running slot, 0..n-1 (a view of the cache): a sequence still being
         # prefilled rides along with a filler token written where its next chunk (or its first
         # decode) writes over it, its logits not read.
@@ -150,6 +177,22 @@ class Scheduler:
         if not decoding:
             plan.tokens, plan.starts, plan.riders = [], [], []
         return plan, chunks, [rows[i] for i in decoding], decoding
+
+    def _prefix(self, job: Job, held: list[tuple[int, list[int], int]]) -> tuple[int, int]:
+        """(slot, length) of the longest prefix of job's prompt, in whole blocks, that a slot in `held`
+        ((slot, its prompt, how much of it is cached)) holds; at least the prompt's last token is left
+        to compute (its logits give the first token). (-1, 0): none."""
+        if not self.prefix_caching or job.prompt_logprobs:
+            return -1, 0
+        p, best = job.prompt, (-1, 0)
+        limit = (len(p) - 1) // BLOCK * BLOCK
+        for slot, other, cached in held:
+            n, top = 0, min(limit, cached // BLOCK * BLOCK)
+            while n < top and p[n:n + BLOCK] == other[n:n + BLOCK]:
+                n += BLOCK
+            if n > best[1]:
+                best = (slot, n)
+        return best
 
     def _chunk(self, plan: Plan, job: Job, budget: int) -> int:
         n = min(len(job.prompt) - job.prefilled, budget)

@@ -20,9 +20,10 @@ The model code is the same as for generation: it calls `layer(name).attend / upd
 
 Buffers are contiguous per slot, [slots, kv heads, max_len, head dim] per layer, allocated at the
 first write (so under TP each rank holds its own heads). Pages (vLLM's PagedAttention) would let
-sequences share the memory of a pool instead of each reserving max_len, and prefix caching share
-the pages of a common prompt prefix (a hash per full page of tokens, reference-counted pages, an
-eviction order); both need attention that reads keys through a page table, which SDPA does not.
+sequences share the memory of a pool instead of each reserving max_len, and a common prompt prefix
+share its pages instead of being copied (`move`: the scheduler's prefix caching copies a cached
+prefix into the new sequence's slot); both need attention that reads keys through a page table,
+which SDPA does not.
 """
 from __future__ import annotations
 

@@ -56,6 +56,9 @@ def parse(argv: list[str]):
     ap.add_argument("--prefill-tokens", type=int, default=2048,
                     help="prompt tokens prefilled per step beside the running decodes: a longer prompt is "
                          "prefilled in chunks (bounds the running sequences' inter-token gap)")
+    ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
+                    help="compute every prompt whole (default: a prompt starts from a copy of the longest prefix, in "
+                    "blocks of 16 tokens, that a running sequence's cache holds, as vLLM's prefix caching)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
     ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")
@@ -102,7 +105,7 @@ def run(prepared) -> None:
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     # (the queue is bounded by the API process, which sees every request first)
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
-                    a.prefill_tokens, channel=channel)
+                    a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching)
     a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop

@@ -73,22 +73,26 @@ class EngineClient:
                 self.metrics.steps.inc(steps)
                 self.stats = stats
                 now = time.monotonic()
-                for key, text, ids, reason, score, prompt_scores, prompt_done in events:
-                    self._event(self.jobs.get(key), now, text, ids, reason, score, prompt_scores, prompt_done)
+                for key, text, ids, reason, score, prompt_scores, cached in events:
+                    self._event(self.jobs.get(key), now, text, ids, reason, score, prompt_scores, cached)
                     if reason is not None:
                         self.jobs.pop(key, None)
         except (EOFError, OSError):  # rank 0 is gone: nothing more will come
             asyncio.get_running_loop().remove_reader(self.conn.fileno())
             for job in list(self.jobs.values()):
-                self._event(job, time.monotonic(), "", [], "error: the engine process ended", None, None, False)
+                self._event(job, time.monotonic(), "", [], "error: the engine process ended", None, None, None)
             self.jobs.clear()
             self.closed.set()
 
-    def _event(self, job, now, text, ids, reason, score, prompt_scores, prompt_done) -> None:
+    def _event(self, job, now, text, ids, reason, score, prompt_scores, cached: int | None) -> None:
+        """`cached`: set on a sequence's first event (its prompt done): prompt tokens copied from a
+        cached prefix (prefix caching)."""
         if job is None:
             return
-        if prompt_done:
+        if cached is not None:
             self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.cached_prompt_tokens.inc(cached)
+            job.cached_prompt = cached
         if prompt_scores is not None:
             job.prompt_token_logprobs = prompt_scores
         if ids:

@@ -42,7 +42,8 @@ def serve(engine, spec: FrontendSpec) -> None:
         def on_event(text, ids, reason):
             score = job.token_logprobs[-1] if ids and job.logprobs >= 0 and job.token_logprobs else None
             prompt_scores = job.prompt_token_logprobs if first[0] and job.prompt_logprobs else None
-            outbox.append((key, text, list(ids), reason, score, prompt_scores, first[0]))
+            cached = job.cached_prompt if first[0] else None  # the prompt done: how much of it was copied
+            outbox.append((key, text, list(ids), reason, score, prompt_scores, cached))
             first[0] = False
             if reason is not None:
                 jobs.pop(key, None)

@@ -183,14 +183,19 @@ class GRPOBatches:
         return out
 
     def _metrics(self, every, rewards, zero_std, lengths, truncated, timing) -> dict:
-        secs = torch.tensor([timing["seconds"]], dtype=torch.float64)
+        on = self.t.device if self.t.device.type == "cuda" else "cpu"  # (NCCL reduces device tensors)
+        secs = torch.tensor([timing["seconds"]], dtype=torch.float64, device=on)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=self.group)
+        prompts = torch.tensor([timing["prompt_tokens"], timing["cached_prompt_tokens"]], dtype=torch.float64, device=on)
+        dist.all_reduce(prompts, group=self.group)  # every rank's rows
         m = {"reward": torch.nanmean(rewards).item(), "reward_std": nanstd(rewards).item(),
              "frac_reward_zero_std": zero_std.double().mean().item(),
              "completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
              "completions/max_length": lengths.max().item(), "completions/clipped_ratio": truncated.double().mean().item(),
              "rollout_s": secs.item(), "rollout_tokens": lengths.sum().item(),
-             "rollout_tokens_per_sec": lengths.sum().item() / max(secs.item(), 1e-9)}
+             "rollout_tokens_per_sec": lengths.sum().item() / max(secs.item(), 1e-9),
+             # prompt tokens of the step's rollouts: computed, and copied from a group's first (prefix caching)
+             "rollout_prompt_tokens": prompts[0].item() - prompts[1].item(), "rollout_cached_prompt_tokens": prompts[1].item()}
         for j, (name, _) in enumerate(self.funcs):
             m[f"rewards/{name}/mean"] = torch.nanmean(every[:, j]).item()
             m[f"rewards/{name}/std"] = nanstd(every[:, j]).item()

@@ -63,8 +63,11 @@ def gathered_weights(model):
 @torch.no_grad()
 def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices: list[int], sampling: Sampling,
              max_tokens: int, eos_ids: frozenset, stops: tuple[str, ...] = ()) -> tuple[list[Rollout], dict]:
-    """One completion per prompt (prompts repeat for a group) -> (rollouts, {seconds, tokens}).
-    Every prompt is admitted at once; their prompts prefill packed in one forward."""
+    """One completion per prompt (prompts repeat for a group) -> (rollouts, {seconds, tokens,
+    prompt_tokens, cached_prompt_tokens}). Every prompt is admitted at once: the first of each group
+    prefills (packed with the others' firsts in one forward), the rest of its group copy its cached
+    prompt a step later and compute only what is left of it (the engine's prefix caching, in whole
+    blocks: batching.scheduler)."""
     t0 = time.perf_counter()
     max_len = max(len(p) for p in prompts) + max_tokens
     engine = Engine(model, tokenizer, device, max_seqs=len(prompts), max_len=max_len, max_queue=len(prompts),
@@ -94,7 +97,8 @@ def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices:
         out.append(Rollout(tokens, logps, j.text, j.finish_reason == "length"))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return out, {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.completion) for r in out)}
+    return out, {"seconds": time.perf_counter() - t0, "tokens": sum(len(r.completion) for r in out),
+                 "prompt_tokens": sum(len(j.prompt) for j in jobs), "cached_prompt_tokens": sum(j.cached_prompt for j in jobs)}
 
 
 @torch.no_grad()
