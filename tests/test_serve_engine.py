@@ -221,3 +221,30 @@ def test_prompts_sharing_a_prefix_compute_it_once_and_get_their_tokens_alone(nam
     assert results[False] == (tokens, [0] * len(cached))
     for i, (p, s) in enumerate(zip(prompts + late, sampling)):
         assert tokens[i] == generate(model, [p], 6, -1, s, "cpu")[0].tokens, i
+
+
+def test_a_finished_sequences_cache_serves_the_next_request_and_the_next_turn():
+    """One request at a time (a client that waits for each answer: lm-eval at batch 1, a chat): what
+    a finished sequence's slot still holds — its prompt and what it generated — is the next prompt's
+    prefix, with nothing to copy (the next one takes the same slot); each answer = `generate` alone."""
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 256, (50,), generator=g).tolist()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=4, max_len=256, max_queue=4)
+
+    def ask(prompt, n=12):
+        job = Job(prompt, n, Sampling(), on_event=lambda *e: None)
+        engine.submit(job)
+        while engine.running or engine.waiting:
+            engine.step()
+        assert job.tokens == generate(model, [prompt], n, -1, Sampling(), "cpu")[0].tokens
+        return job
+    first = ask(system + [1, 2, 3])
+    assert first.cached_prompt == 0
+    second = ask(system + [4, 5], 20)  # the same slot: the prefix is there already
+    assert second.cached_prompt == 48 and second.slot == first.slot
+    turn = ask(second.prompt + second.tokens + [9] * 20)  # the next turn: prompt, answer, a new question
+    assert turn.cached_prompt == (len(second.prompt) + len(second.tokens) - 1) // 16 * 16 == 64
+    other = ask(torch.randint(0, 256, (40,), generator=g).tolist())
+    assert other.cached_prompt == 0

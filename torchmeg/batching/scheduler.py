@@ -102,6 +102,13 @@ class Plan:
     stop: bool = False
 
 
+def _content(job: Job) -> list[int]:
+    """The tokens whose keys and values job's slot holds: its prompt so far, then what it generated
+    (the newest token is written by the next decode)."""
+    done = job.prompt[:job.prefilled]
+    return done + job.tokens[:-1] if job.prefilled == len(job.prompt) and len(job.tokens) > 1 else done
+
+
 class Scheduler:
     def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, max_len: int, filler: int = 0,
                  prefix_caching: bool = True):
@@ -109,6 +116,7 @@ class Scheduler:
         self.max_len, self.filler, self.prefix_caching = max_len, filler, prefix_caching
         self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding)
         self.waiting: deque[Job] = deque()
+        self.free: dict[int, list[int]] = {}  # a free slot -> the tokens its cache still holds (prefix caching)
         self.dropped: list[Job] = []        # cancelled jobs taken out, not yet told (Engine.step: "abort")
 
     def take_dropped(self) -> list[Job]:
@@ -131,12 +139,16 @@ class Scheduler:
                 del self.running[slot]
                 if job.finish_reason is None:
                     self.dropped.append(job)
+                if self.prefix_caching and not (job.finish_reason or "").startswith("error"):
+                    self.free[slot] = _content(job)  # (a failed step may have left its slot half written)
         if any(j.cancelled for j in self.waiting):  # (they held a queue place until now)
             self.dropped += [j for j in self.waiting if j.cancelled]
             self.waiting = deque(j for j in self.waiting if not j.cancelled)
         plan = Plan(moves=self._compact())
-        # what each slot's cache holds as this step starts: the prefixes a new prompt can copy
-        held = [(j.slot, j.prompt, j.prefilled) for j in self.running.values() if j.prefilled] if self.prefix_caching else []
+        # what each slot's cache holds as this step starts (running sequences', and what free slots
+        # kept of a finished or moved one's): the prefixes a new prompt can copy
+        held = ([(j.slot, _content(j)) for j in self.running.values() if j.prefilled] + list(self.free.items())
+                if self.prefix_caching and self.waiting else [])
         budget, chunks, later = self.prefill_tokens, [], []
         for job in sorted(self.running.values(), key=lambda j: j.slot):  # prompts being prefilled go on
             if job.prefilled < len(job.prompt) and budget > 0:
@@ -145,15 +157,17 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             job = self.waiting.popleft()
             src, reuse = self._prefix(job, held)
-            if self._prefix(job, [(c.slot, c.prompt, c.prefilled) for c in chunks])[1] > reuse:
+            if self._prefix(job, [(c.slot, c.prompt[:c.prefilled]) for c in chunks])[1] > reuse:
                 later.append(job)  # a longer prefix of it is being computed now: copy it next step
                 continue
             job.slot = len(self.running)  # (slots 0..n-1 are taken: the compaction above)
             job.stream = int(row_streams([job.prompt], job.sample_index)[0])
             self.running[job.slot] = job
-            if reuse:
+            if reuse and src != job.slot:  # (its own slot may hold the prefix already: nothing to copy)
                 plan.copies.append((src, job.slot, reuse))
-                job.prefilled = job.cached_prompt = reuse
+            job.prefilled = job.cached_prompt = reuse
+            if self.free.pop(job.slot, None) is not None:  # written from now on
+                held = [(slot, toks) for slot, toks in held if slot != job.slot]
             budget -= self._chunk(plan, job, budget)
             chunks.append(job)
         self.waiting.extendleft(reversed(later))
@@ -178,19 +192,19 @@ class Scheduler:
             plan.tokens, plan.starts, plan.riders = [], [], []
         return plan, chunks, [rows[i] for i in decoding], decoding
 
-    def _prefix(self, job: Job, held: list[tuple[int, list[int], int]]) -> tuple[int, int]:
+    def _prefix(self, job: Job, held: list[tuple[int, list[int]]]) -> tuple[int, int]:
         """(slot, length) of the longest prefix of job's prompt, in whole blocks, that a slot in `held`
-        ((slot, its prompt, how much of it is cached)) holds; at least the prompt's last token is left
-        to compute (its logits give the first token). (-1, 0): none."""
+        ((slot, the tokens its cache holds)) holds, its own slot first on a tie; at least the prompt's
+        last token is left to compute (its logits give the first token). (-1, 0): none."""
         if not self.prefix_caching or job.prompt_logprobs:
             return -1, 0
-        p, best = job.prompt, (-1, 0)
+        p, best, own = job.prompt, (-1, 0), len(self.running)
         limit = (len(p) - 1) // BLOCK * BLOCK
-        for slot, other, cached in held:
-            n, top = 0, min(limit, cached // BLOCK * BLOCK)
+        for slot, other in held:
+            n, top = 0, min(limit, len(other) // BLOCK * BLOCK)
             while n < top and p[n:n + BLOCK] == other[n:n + BLOCK]:
                 n += BLOCK
-            if n > best[1]:
+            if n > best[1] or (n == best[1] and n and slot == own):
                 best = (slot, n)
         return best
 
@@ -211,4 +225,7 @@ class Scheduler:
             moves.append((src, dst, job.cached))
             job.slot = dst
             self.running[dst] = job
+            if self.prefix_caching:  # dst is written over; src keeps a copy of what moved
+                self.free.pop(dst, None)
+                self.free[src] = _content(job)
         return moves
