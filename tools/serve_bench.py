@@ -269,4 +269,9 @@ def _call(host, port, method, path, body=None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # a recipe or checkpoint problem: one line, as every torchmeg command says it
+        if type(e).__name__ != "ConfigError":
+            raise
+        sys.exit(f"serve_bench: error: {e}")
