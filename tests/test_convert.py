@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, assert_parity, assert_tensor_close, read_metrics, rel_diff, run_cli
+from conftest import FP32_PARITY, _run_one, assert_parity, assert_tensor_close, read_metrics, rel_diff, run_cli
 
 ORIGINAL = 16  # the rope's pretraining context in these configs: every test runs past it
 
@@ -64,8 +63,7 @@ def _hf_folder(path, kind: str, **extra):
 
 
 def _convert(*args, check=True):
-    p = subprocess.run([sys.executable, "-m", "torchmeg.convert", *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    p = _run_one([sys.executable, "-m", "torchmeg.convert", *map(str, args)], dict(os.environ), 120)  # (the zygote's fork)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -105,9 +103,9 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
             for layer in m.layers.values():
                 layer.attention.sinks.weight.fill_(-1e4)
             assert (m(x) - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
-    p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
+    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
                         "--prompt", "def main(argv):", "--prompt", "x", "--max-new-tokens", "48", "--ignore-eos",
-                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                        "--json"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     for r in rows:

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, assert_close, byte_level_bpe, run_cli
+from conftest import FP32_PARITY, ROOT, TINY, _run_one, assert_close, byte_level_bpe, run_cli
 
 DOCS = ["one two three.", "red green blue.", "cat dog bird.", "sun moon star."]
 PROMPTS = ["one two", "red", "sun moon", "ünï ✓"]
@@ -21,7 +21,9 @@ FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 
 
 def _tool(*args) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, *map(str, args)]  # (`-m` commands: a fork of the suite's zygote)
+    p = _run_one(cmd, dict(os.environ), 120) if args[0] == "-m" else \
+        subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 

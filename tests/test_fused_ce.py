@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import ROOT, TINY, assert_close, assert_parity, read_metrics, run_cli
+from conftest import ROOT, TINY, _run_one, assert_close, assert_parity, read_metrics, run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.config.errors import ConfigError
 from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
@@ -266,8 +266,8 @@ def test_planner_accounts_for_the_fused_head(tmp_path):
         recipe = tmp_path / f"r{fused}.toml"
         recipe.write_text(text)
         out = tmp_path / f"p{fused}.json"
-        p = subprocess.run([sys.executable, "-m", "torchmeg.plan", "--config", str(recipe), "--json", str(out)],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", str(recipe), "--json", str(out)],
+                     dict(os.environ), 120)
         assert p.returncode == 0, p.stderr[-3000:]
         peaks[fused] = json.loads(out.read_text())["ranks"][0]["peak_bytes"]
     assert peaks[False] - peaks[True] >= 8192 * 128256 * 2, peaks

@@ -5,12 +5,12 @@ with the single-process run. fp32 + deterministic: tolerance 1e-5 (reduction ord
 shards, nothing else). bf16: see the test for its tolerance and why.
 """
 import json
-import subprocess
+import os
 import sys
 
 import pytest
 
-from conftest import BF16_U, FP32_PARITY, ROOT, reference_run, assert_parity as compare, TINY, read_metrics, run_cli
+from conftest import BF16_U, FP32_PARITY, ROOT, _run_one, reference_run, assert_parity as compare, TINY, read_metrics, run_cli
 
 GLOBAL = 8
 BASE = TINY + ["--training.steps=4", "--training.deterministic=true", f"--training.global_batch_size={GLOBAL}"]
@@ -144,9 +144,8 @@ def test_fsdp4_holds_a_quarter_of_the_state(tmp_path):
     state = {}
     for world in (1, 4):
         out = tmp_path / f"plan{world}.json"
-        p = subprocess.run([sys.executable, "-m", "torchmeg.plan", "--config", "recipes/debug_llama.toml", "--world",
-                            str(world), "--json", str(out), P + "data_parallel_shard_degree=-1"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", "recipes/debug_llama.toml", "--world",
+                      str(world), "--json", str(out), P + "data_parallel_shard_degree=-1"], dict(os.environ), 120)
         assert p.returncode == 0, p.stderr[-3000:]
         state[world] = json.load(open(out))["ranks"][0]["model_state_bytes"]
     assert state[4] <= 0.27 * state[1], state

@@ -180,8 +180,8 @@ def test_search_ranks_every_layout_and_says_why_each_lost(tmp_path):
     recipe = os.path.join(ROOT, "recipes", "debug_llama.toml")
     # debug blocks at 8B widths (the trace's cost follows the ops, not the widths) and 8k tokens: some
     # layouts do not fit an 80 GB part, so the rule that rules layouts out is exercised
-    args = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=8",
-            "--data.seq_len=8192", "--model.max_seq_len=8192", "--training.local_batch_size=16",
+    args = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=4",
+            "--data.seq_len=8192", "--model.max_seq_len=8192", "--training.local_batch_size=32",
             "--data.document_masking=false"]
     out = tmp_path / "search.json"
     p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", recipe, "--world", "2", "--search", "--top", "50",

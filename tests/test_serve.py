@@ -213,10 +213,10 @@ def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, serve
     (tmp_path / "doc.py").write_bytes(bytes(ids))
     subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "doc.py"), "--tokenizer",
                     "byte", "--output-prefix", str(tmp_path / "store")], cwd=ROOT, check=True, capture_output=True)
-    p = subprocess.run([sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
-                        f"--job.dump_folder={debug_run}", "--job.name=debug", f"--data.dataset={tmp_path / 'store'}",
-                        "--split", "all", "--steps", "1", "--data.seq_len=47", "--training.local_batch_size=1", "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _run_one([sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
+                  f"--job.dump_folder={debug_run}", "--job.name=debug", f"--data.dataset={tmp_path / 'store'}",
+                  "--split", "all", "--steps", "1", "--data.seq_len=47", "--training.local_batch_size=1", "--json"],
+                 dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert_close(json.loads(p.stdout.splitlines()[-1])["loss"], -sum(lp.token_logprobs[1:48]) / 47, FP32_PARITY,
                  "eval loss vs echoed log-probs")

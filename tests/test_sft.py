@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, byte_level_bpe, decoded_runs, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, _run_one, assert_close, assert_parity, byte_level_bpe, decoded_runs, read_metrics, reference_run, run_cli
 
 # Llama-3-8B-Instruct's template, as its tokenizer_config.json ships it.
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -150,10 +150,8 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
     """Conversations packed two to a window with document masking: the step-1 loss (every window in
     the one global batch) equals transformers' cross-entropy over the same targets, each conversation
     run alone, summed and divided by the number of targets."""
-    import subprocess
     import sys
     import transformers
-    from conftest import ROOT
     from torchmeg.data.chat import ChatTemplate, encode_conversation
     from torchmeg.data.tokenizer import build_tokenizer
     from torchmeg.data.chat_data import Conversations, ChatWindows
@@ -168,8 +166,8 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
         for p in hf.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     hf.save_pretrained(str(hf_dir))
-    p = subprocess.run([sys.executable, "-m", "torchmeg.convert", "from-hf", str(hf_dir), "--out", str(tmp_path / "out")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = _run_one([sys.executable, "-m", "torchmeg.convert", "from-hf", str(hf_dir), "--out", str(tmp_path / "out")],
+                 dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     data = tmp_path / "chat.jsonl"
     _write_jsonl(data, CONVERSATIONS)
@@ -206,9 +204,8 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
 
     # generate --chat: the prompt as transformers renders a user turn with the generation prompt
     question = "What does `json.dumps` return?"
-    p = subprocess.run([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
-                        "--chat", "--prompt", question, "--max-new-tokens", "8", "--json"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
+                  "--chat", "--prompt", question, "--max-new-tokens", "8", "--json"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][0])
     from transformers import AutoTokenizer
