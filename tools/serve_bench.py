@@ -272,6 +272,7 @@ if __name__ == "__main__":
     try:
         main()
     except Exception as e:  # a recipe or checkpoint problem: one line, as every torchmeg command says it
+        # (by name: with --url this tool runs where torchmeg is not installed, so it imports none of it here)
         if type(e).__name__ != "ConfigError":
             raise
         sys.exit(f"serve_bench: error: {e}")

@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -35,7 +34,7 @@ from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, f
 from torchmeg.checkpoint.hf import from_hf_state_dict, hf_names, to_hf_state_dict, torchmeg_fqns
 from torchmeg.checkpoint.hf_files import write_safetensors
 from torchmeg.checkpoint.hf_export import hf_config
-from torchmeg.checkpoint.hf_tokenizer import write_generation_files
+from torchmeg.checkpoint.hf_tokenizer import BESIDE, copy_files, write_generation_files
 from torchmeg.checkpoint.hf_quant import FolderReader, header
 from torchmeg.checkpoint.hf_config import native_model_keys
 from torchmeg.config.errors import ConfigError
@@ -81,15 +80,10 @@ def _toml_value(v) -> str:
     return json.dumps(v) if isinstance(v, str) else str(v)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
-
-
 def _copy_tokenizer(src: str, out: str) -> None:
-    """The folder's tokenizer and what fine-tuning reads beside it (its chat template, special tokens)."""
-    for name in TOKENIZER_FILES:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    """The folder's tokenizer and what fine-tuning and an export read beside it (its chat template,
+    special tokens, generation settings)."""
+    copy_files(src, out, ("tokenizer.json",) + BESIDE)
 
 
 def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str,

@@ -25,7 +25,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.data.chat import chat_template
-from torchmeg.data.tokenizer import byte_symbols
+from torchmeg.data.tokenizer import byte_symbol_table
 
 BESIDE = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json")
 EOT_TEXT = "<|endoftext|>"
@@ -34,14 +34,18 @@ EOT_TEXT = "<|endoftext|>"
 def byte_level_tokenizer():
     """The byte tokenizer (ids 0-255 = UTF-8 bytes, 256 = end of text) as a `tokenizers` Tokenizer:
     GPT-2's byte symbols as a BPE vocabulary without merges, so every byte stays its own token."""
-    printable = [ord(ch) for ch in byte_symbols() if ord(ch) < 256]
-    symbol = {b: chr(b) for b in printable}
-    symbol.update({b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in symbol)})
-    tok = Tokenizer(models.BPE(vocab={symbol[b]: b for b in range(256)}, merges=[]))
+    tok = Tokenizer(models.BPE(vocab={ch: b for b, ch in byte_symbol_table().items()}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
     return tok
+
+
+def copy_files(source: str, folder: str, names) -> None:
+    """Each of `names` that `source` holds, copied into `folder`."""
+    for name in names:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copy(os.path.join(source, name), os.path.join(folder, name))
 
 
 def _token(tok, i: int | None) -> str | None:
@@ -56,10 +60,7 @@ def write_tokenizer(cfg, tokenizer, folder: str) -> dict:
         tok = byte_level_tokenizer()
         tok.save(os.path.join(folder, "tokenizer.json"))
     else:
-        source = os.path.dirname(os.path.abspath(spec))
-        for name in BESIDE:
-            if os.path.isfile(os.path.join(source, name)):
-                shutil.copy(os.path.join(source, name), os.path.join(folder, name))
+        copy_files(os.path.dirname(os.path.abspath(spec)), folder, BESIDE)
         tok = Tokenizer.from_file(spec)
         if tokenizer.eos_id >= tok.get_vocab_size(with_added_tokens=True):  # the reserved id past the vocab
             tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])

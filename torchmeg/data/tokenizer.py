@@ -94,12 +94,18 @@ class HFTokenizer:
         return out
 
 
-def byte_symbols() -> list[str]:
-    """The 256 printable characters byte-level BPE writes bytes as (GPT-2's bytes_to_unicode)."""
+def byte_symbol_table() -> dict[int, str]:
+    """{byte: the printable character byte-level BPE writes it as} (GPT-2's bytes_to_unicode): printable
+    bytes as themselves, the others as chr(256 + i) in byte order."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
         list(range(ord("®"), ord("ÿ") + 1))
     extra = [b for b in range(256) if b not in printable]
-    return [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
+
+
+def byte_symbols() -> list[str]:
+    """The 256 printable characters byte-level BPE writes bytes as."""
+    return list(byte_symbol_table().values())
 
 
 def build_tokenizer(spec: str):
