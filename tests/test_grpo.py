@@ -20,7 +20,7 @@ B, T, V = 6, 7, 11  # rows, completion positions, vocabulary
 
 
 def _trl_loss(logits, ids, mask, adv, loss_type, beta, eps, eps_high, temperature, old=None, ref=None, is_ratio=None,
-              max_completion_length=T, bias_correction_kl=True):
+              max_completion_length=T, bias_correction_kl=True, **keys):
     """TRL 1.16's GRPOTrainer._compute_loss itself on these logits (a stand-in for its model returns
     TRL's own selective_log_softmax / entropy of logits / temperature; every other input is what its
     trainer would pass, one process, no accumulation) -> the loss."""
@@ -34,13 +34,15 @@ def _trl_loss(logits, ids, mask, adv, loss_type, beta, eps, eps_high, temperatur
     same = lambda t, **kw: t  # noqa: E731  (one process)
     fake = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=logps_and_entropies, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta, loss_type=loss_type,
+        off_policy_mask_threshold=None, importance_sampling_level=keys.get("importance_sampling_level", "token"),
+        beta=beta, loss_type=loss_type, get_gamma_weights=GRPOTrainer.get_gamma_weights,
         epsilon_low=eps, epsilon_high=eps_high, use_vllm=is_ratio is not None,
         vllm_importance_sampling_correction=is_ratio is not None, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=1, max_completion_length=max_completion_length,
         accelerator=types.SimpleNamespace(num_processes=1, gather=same, gather_for_metrics=same, reduce=same,
                                           sync_gradients=True),
-        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=bias_correction_kl, steps_per_generation=1),
+        args=types.SimpleNamespace(**{**DEFAULTS, **{k: v for k, v in keys.items() if k in DEFAULTS}},
+                                   use_bias_correction_kl=bias_correction_kl, steps_per_generation=1),
         _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
     inputs = {"prompt_ids": torch.zeros(B, 3, dtype=torch.long), "prompt_mask": torch.ones(B, 3),
               "completion_ids": ids, "completion_mask": mask, "advantages": adv, "num_items_in_batch": mask.sum()}
@@ -64,19 +66,45 @@ def _trl_is_ratio(old, sampling, mask, mode, cap):
     return ratio.masked_fill((ratio < -math.inf) | (ratio > cap), value=0.0)
 
 
+def _trl_defaults() -> dict:
+    """GRPOConfig's own defaults for the keys its loss reads from `args` (read from TRL, not restated)."""
+    import dataclasses
+    from trl import GRPOConfig
+    names = ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+             "vespo_k_neg", "vespo_lambda_neg")
+    fields = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    return {n: fields[n] for n in names}
+
+
+DEFAULTS = _trl_defaults()
+
 # (loss_type, beta, epsilon_high, old log-probs given (num_iterations > 1), importance sampling, TRL's
-# use_bias_correction_kl: its default True unless a case names False)
+# use_bias_correction_kl: its default True unless a case names False; then the other TRL keys a case sets)
 CASES = [("grpo", 0.0, 0.2, False, "none", True), ("dr_grpo", 0.0, 0.2, False, "none", True),
          ("dapo", 0.0, 0.28, False, "none", True), ("bnpo", 0.0, 0.2, False, "none", True),
          ("grpo", 0.04, 0.2, True, "none", True), ("dapo", 0.1, 0.28, True, "none", True),
          ("dapo", 0.04, 0.2, False, "none", True), ("grpo", 0.04, 0.2, True, "none", False),
          ("dr_grpo", 0.04, 0.2, True, "token_truncate", True), ("dapo", 0.0, 0.28, True, "token_mask", True),
          ("grpo", 0.0, 0.2, True, "sequence_truncate", True), ("dapo", 0.0, 0.2, False, "sequence_mask", True)]
+SEQ = {"importance_sampling_level": "sequence"}
+CASES = [c + ({},) for c in CASES] + [
+    ("grpo", 0.04, 0.2, True, "none", True, SEQ),                      # GSPO, with a reference
+    ("dapo", 0.0, 0.28, True, "token_truncate", True, SEQ),
+    ("grpo", 0.04, 0.2, True, "none", True, {"delta": 1.3}),           # two-sided clipping
+    ("cispo", 0.0, 0.2, True, "none", True, {}),                       # TRL's default epsilon_high
+    ("cispo", 0.04, 5.0, True, "token_mask", True, {}),                # the ScaleRL paper's 5.0
+    ("sapo", 0.0, 0.2, True, "none", True, {}),
+    ("sapo", 0.04, 0.2, True, "token_truncate", True, {"sapo_temperature_pos": 0.5, "sapo_temperature_neg": 2.0}),
+    ("luspo", 0.0, 0.2, True, "none", True, SEQ),
+    ("luspo", 0.04, 0.2, True, "none", True, {}),
+    ("vespo", 0.0, 0.2, True, "none", True, {}),
+    ("vespo", 0.04, 0.2, True, "token_truncate", True, {}),
+]
 
 
-@pytest.mark.parametrize("loss_type, beta, eps_high, with_old, sampling_mode, bias_kl", CASES,
-                         ids=["-".join(map(str, c)) for c in CASES])
-def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, sampling_mode, bias_kl):
+@pytest.mark.parametrize("loss_type, beta, eps_high, with_old, sampling_mode, bias_kl, keys", CASES,
+                         ids=["-".join(map(str, c[:6])) + "".join(f"-{k}={v}" for k, v in c[6].items()) for c in CASES])
+def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, sampling_mode, bias_kl, keys):
     """The loss and d loss / d logits = TRL's for a fixed batch: completions with padding, old
     log-probs far enough from the current ones that both clip sides engage, a reference, the
     engine's log-probs off by a little (the importance-sampling ratio)."""
@@ -100,12 +128,16 @@ def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, s
 
     x1 = logits.clone().requires_grad_(True)
     want, trl_metrics = _trl_loss(x1, ids, mask, adv, loss_type, beta, 0.2, eps_high, temperature, old, ref, trl_ratio,
-                                  bias_correction_kl=bias_kl)
+                                  bias_correction_kl=bias_kl, **keys)
     want.backward()
 
     # torchmeg's rows: a completion's token k is the target at position k (IGNORE past its end)
     labels = ids.masked_fill(mask == 0, IGNORE)
-    loss_fn = GRPOLoss(loss_type, beta, 0.2, eps_high, temperature, T, sampling_mode, cap, bias_correction_kl=bias_kl)
+    k = {**DEFAULTS, **keys}
+    loss_fn = GRPOLoss(loss_type, beta, 0.2, eps_high, temperature, T, sampling_mode, cap, bias_correction_kl=bias_kl,
+                       level=keys.get("importance_sampling_level", "token"), delta=k["delta"] or 0.0,
+                       sapo=(k["sapo_temperature_pos"], k["sapo_temperature_neg"]),
+                       vespo=(k["vespo_k_pos"], k["vespo_lambda_pos"], k["vespo_k_neg"], k["vespo_lambda_neg"]))
     loss_fn.token_scale = 1.0 / mask.sum().item()  # dapo: one rank, one microbatch: 1 / the batch's tokens
     loss_fn.see((None, None, RolloutRows(adv, sampling, old, ref)))
     x2 = logits.clone().requires_grad_(True)
@@ -114,12 +146,15 @@ def test_grpo_loss_and_gradient_equal_trl(loss_type, beta, eps_high, with_old, s
     assert_close(got.item(), want.item(), 1e-9, f"{loss_type} loss vs TRL")  # fp64: both exact to ~1e-15
     assert_tensor_close(x2.grad, x1.grad, 1e-9, f"{loss_type} d loss / d logits vs TRL")
     assert x1.grad.abs().max() > 0
-    s = loss_fn.sums  # (the step's sums; step_metrics all-reduces them)
-    n = s[0].item()
-    assert_close(s[5].item() / n, trl_metrics["entropy"][-1], 1e-6, "entropy vs TRL")
-    assert_close(s[3].item() / n, trl_metrics["clip_ratio/region_mean"][-1], 1e-9, "clip ratio vs TRL")
-    if beta:
-        assert_close(s[4].item() / n, trl_metrics["kl"][-1], 1e-6, "KL vs TRL")
+    ours = loss_fn.step_metrics(None)  # (one process: its all-reduces are the identity)
+    names = [m for m in trl_metrics if m in ("entropy", "kl", "cispo_clip_ratio") or m.endswith("_mean")
+             and m.startswith("clip_ratio/")]
+    assert set(names) <= set(ours) and (("kl" in names) == bool(beta)), (sorted(trl_metrics), sorted(ours))
+    for m in names:
+        assert_close(ours[m], trl_metrics[m][-1], 1e-6, f"{m} vs TRL")
+    if loss_type in ("grpo", "cispo") and eps_high < 1 and with_old and not keys.get("importance_sampling_level"):  # (the clip
+        # engages: the metric is not a trivial 0 = 0; per completion the mean log-ratio stays inside the range)
+        assert max(ours.get("clip_ratio/region_mean", 0), ours.get("cispo_clip_ratio", 0)) > 0, ours
 
 
 def _nanstd(x):

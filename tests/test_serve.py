@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -30,17 +31,20 @@ SAMPLED = dict(temperature=0.9, top_p=0.9, seed=3)
 class Server:
     """`python -m torchmeg.serve` on the debug run's checkpoint, on nproc ranks (rank 0 answers)."""
 
-    def __init__(self, run_dir, extra=(), nproc=1):
+    def __init__(self, run_dir, extra=(), nproc=1, recipe=None, rank_env=None):
+        """recipe: serve that recipe (a converted release's) as it stands instead of the debug run;
+        rank_env: {rank: more environment} (test hooks for one rank)."""
         self.port, self.logs = _free_port(), tempfile.mkdtemp(prefix="torchmeg-serve-")
-        cmd = [sys.executable, "-m", "torchmeg.serve", "--config", "recipes/debug_llama.toml",
-               f"--job.dump_folder={run_dir}", "--job.name=debug", "--data.chat_template=chatml",
-               "--port", str(self.port)] + list(extra)
+        what = ["--config", str(recipe)] if recipe else [
+            "--config", "recipes/debug_llama.toml", f"--job.dump_folder={run_dir}", "--job.name=debug",
+            "--data.chat_template=chatml"]
+        cmd = [sys.executable, "-m", "torchmeg.serve", *what, "--port", str(self.port)] + list(extra)
         env, master = dict(os.environ, PYTHONUNBUFFERED="1"), str(_free_port())
         self.procs = []
         for r in range(nproc):
             e = env if nproc == 1 else dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
                                             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                                            MASTER_PORT=master, OMP_NUM_THREADS="1")
+                                            MASTER_PORT=master, OMP_NUM_THREADS="1", **(rank_env or {}).get(r, {}))
             self.procs.append(_start(cmd, e, os.path.join(self.logs, f"{r}.out"), os.path.join(self.logs, f"{r}.err")))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 90
@@ -378,9 +382,13 @@ def test_sigterm_drain_has_a_deadline(debug_run):
 @pytest.mark.slow
 def test_tp2_serves_what_one_process_serves(debug_run, server):
     """Rank 0 of two answers; both run every forward on half the heads: the same texts as one
-    process, greedy and sampled, requests in flight together, half of them after one shared
-    53-token prefix (prefix caching: the copies run on both ranks); SIGTERM stops both ranks with 0."""
-    tp = Server(debug_run, nproc=2)
+    process, greedy and sampled, requests in flight together (more than its 4 slots), half of them
+    after one shared 53-token prefix (prefix caching: the copies run on both ranks); SIGTERM stops
+    both ranks with 0. Rank 1 has a quarter of rank 0's KV budget (a GPU with less memory free): the
+    ranks agree on the least, so a request as long as the header says fits on both (each rank sizing
+    its own, rank 1's cache would fill mid-request and end the server)."""
+    tp = Server(debug_run, ["--max-seqs", "4", "--kv-cache-gib", "0.004"], nproc=2,
+                rank_env={1: {"TORCHMEG_TEST_KV_BUDGET_SCALE": "0.25"}})
     try:
         system = "You are a careful Python programmer. Answer in code.\n"
         reqs = [(p, dict(SAMPLED) if i % 2 else {}) for i, p in enumerate(PROMPTS * 2 + [system + p for p in PROMPTS * 2])]
@@ -389,6 +397,14 @@ def test_tp2_serves_what_one_process_serves(debug_run, server):
             two = list(pool.map(lambda r: _complete(tp.client, r[0], 20, **r[1]), reqs))
         assert two == one
         assert tp.metrics()["torchmeg_prefix_cache_hits_total"] > 0
+        header = next(line for f in ("0.out", "0.err") for line in open(os.path.join(tp.logs, f)) if "slots of" in line)
+        length = int(re.search(r"4 slots of (\d+) tokens", header).group(1))
+        # 4 slots of 2048 bytes a position per rank: rank 0's 0.004 GiB holds 524 positions a slot, rank 1's
+        # quarter 131; each sizing its own, rank 0 would admit what rank 1 cannot hold.
+        assert length == int(0.25 * 0.004 * 2 ** 30) // (4 * 2048) and "the least of 2 ranks'" in header, header
+        r = tp.client.completions.create(model="debug", prompt=[65] * (length - 8), max_tokens=8, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == length - 8, r
         assert tp.stop() == [0, 0]
     finally:
         tp.kill()

@@ -93,20 +93,22 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, sampling: Sampling,
+def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id, sampling: Sampling,
              device, use_cache: bool = True, decode_step=None, sample_index: int = 0,
              keep_logits: bool = False) -> list[Generated]:
-    """Generate up to `max_new_tokens` per prompt, stopping a row at `eos_id`.
+    """Generate up to `max_new_tokens` per prompt, stopping a row at `eos_id` (an id, or a set of
+    ids: a release's generation_config.json may list several; -1 or an empty set: never).
 
     use_cache=False recomputes the whole sequence at every step, one prompt at a time (a batch
     would need the padding mask only the cache path builds). `decode_step(model, tokens_B1, cache)`
     -> logits [B, V] replaces the eager decode step (a compiled one, over a static cache)."""
     device = torch.device(device)
+    ends = end_set(eos_id)
     if not use_cache:
-        return [_recompute(model, p, max_new_tokens, eos_id, sampling, device, sample_index, keep_logits)
+        return [_recompute(model, p, max_new_tokens, ends, sampling, device, sample_index, keep_logits)
                 for p in prompts]
     B, P = len(prompts), max(len(p) for p in prompts)
-    filler = max(eos_id, 0)  # what padding slots and finished rows hold (masked: any valid id does)
+    filler = min(ends, default=0)  # what padding slots and finished rows hold (masked: any valid id does)
     pad = torch.tensor([P - len(p) for p in prompts], dtype=torch.long)
     tokens = torch.tensor([[filler] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
     cache = KVCache(B, P + max_new_tokens, pad, static=decode_step is not None, device=device)
@@ -127,7 +129,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id: int, 
             decoded += step > 0  # (a row's first token comes from the prefill's logits)
             if keep_logits:
                 g.logits.append(logits[b].cpu())
-            if new[b] == eos_id:
+            if new[b] in ends:
                 g.finish_reason, done[b] = "eos", True
             else:
                 g.tokens.append(new[b])
@@ -157,7 +159,13 @@ def decode_one(model, tokens_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return model(tokens_B1, positions=cache.positions(1), cache=cache)[:, -1]
 
 
-def _recompute(model, prompt: list[int], max_new_tokens: int, eos_id: int, sampling: Sampling, device,
+def end_set(eos_id) -> frozenset:
+    """`generate`'s eos_id as a set of ids (-1 and negative ids: none)."""
+    ids = [eos_id] if isinstance(eos_id, int) else list(eos_id)
+    return frozenset(int(i) for i in ids if int(i) >= 0)
+
+
+def _recompute(model, prompt: list[int], max_new_tokens: int, ends: frozenset, sampling: Sampling, device,
                sample_index: int, keep_logits: bool) -> Generated:
     g = Generated(list(prompt))
     streams = row_streams([prompt], sample_index)
@@ -171,7 +179,7 @@ def _recompute(model, prompt: list[int], max_new_tokens: int, eos_id: int, sampl
         if keep_logits:
             g.logits.append(logits[0].cpu())
         nxt = sample(logits, sampling, streams, step)
-        if int(nxt) == eos_id:
+        if int(nxt) in ends:
             g.finish_reason = "eos"
             break
         g.tokens.append(int(nxt))

@@ -268,9 +268,20 @@ class Grpo:
     reward_weights: list = _f([], help="a weight per reward function; [] = all 1")
     scale_rewards: str = _f("group", choices=["group", "batch", "none"],
                             help="advantages divided by the group's reward std, the batch's, or not at all (Dr. GRPO)")
-    loss_type: str = _f("dapo", choices=["grpo", "dr_grpo", "dapo", "bnpo"],
-                        help="token normalization: grpo per sequence; dr_grpo by rows x max_completion_length; dapo "
-                             "by the global batch's completion tokens (TRL's default); bnpo by each microbatch's")
+    loss_type: str = _f("dapo", choices=["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"],
+                        help="TRL's: grpo per sequence; dr_grpo by rows x max_completion_length; dapo by the global "
+                             "batch's completion tokens (TRL's default); bnpo by each microbatch's; cispo, sapo, "
+                             "luspo, vespo as TRL 1.16 (docs/grpo.md)")
+    importance_sampling_level: str = _f("token", choices=["token", "sequence"],
+                                        help="the policy ratio per token, or per completion (GSPO: its mean log-ratio)")
+    delta: float = _f(0.0, lo=0.0, help="two-sided clipping: the ratio capped at delta (INTELLECT-2; > 1 + "
+                                        "epsilon_high); 0 = off (TRL's None)")
+    sapo_temperature_pos: float = _f(1.0, lo=0.0, help="sapo: the gate's temperature for positive advantages")
+    sapo_temperature_neg: float = _f(1.05, lo=0.0, help="sapo: the gate's temperature for the others")
+    vespo_k_pos: float = _f(2.0, help="vespo: k for non-negative advantages")
+    vespo_lambda_pos: float = _f(3.0, help="vespo: lambda for non-negative advantages")
+    vespo_k_neg: float = _f(3.0, help="vespo: k for negative advantages")
+    vespo_lambda_neg: float = _f(2.0, help="vespo: lambda for negative advantages")
     beta: float = _f(0.0, lo=0.0, help="KL weight to the reference (the starting weights); 0 = no reference kept")
     use_bias_correction_kl: bool = _f(True, help="the KL term times the importance ratio (TRL's default: the unbiased "
                                                  "reverse-KL gradient of DeepSeek-V3.2); false = TRL before 1.x")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 
 import numpy as np
@@ -17,6 +18,7 @@ class ByteTokenizer:
     name = "byte"
     eos_id = 256
     vocab_size = 257
+    end_ids = frozenset({256})
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -56,6 +58,7 @@ class HFTokenizer:
             eos = self.vocab_size
             self.vocab_size += 1
         self.eos_id = eos
+        self.end_ids = frozenset({eos} | generation_ends(os.path.dirname(path), self.vocab_size))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -94,6 +97,26 @@ class HFTokenizer:
         return out
 
 
+def generation_ends(folder: str, vocab_size: int) -> set[int]:
+    """The ids a release says end a generation: `eos_token_id` (an id or a list) of the
+    `generation_config.json` beside its tokenizer.json (from-hf copies it there), as transformers'
+    `generate` and vLLM stop at them (an instruct release lists its end of turn beside its end of text).
+    No such file: none. A malformed one, or ids outside the vocabulary: one line naming the file."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return set()
+    try:
+        with open(path) as fh:
+            ends = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a JSON object ({str(e).splitlines()[0]}); fix or remove it") from None
+    ends = [] if ends is None else ends if isinstance(ends, list) else [ends]
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ends):
+        raise ConfigError(f"{path}: eos_token_id {ends} must be token ids in [0, {vocab_size}) of the "
+                          f"tokenizer.json beside it; fix the file or remove it")
+    return set(ends)
+
+
 def byte_symbol_table() -> dict[int, str]:
     """{byte: the printable character byte-level BPE writes it as} (GPT-2's bytes_to_unicode): printable
     bytes as themselves, the others as chr(256 + i) in byte order."""
@@ -117,13 +140,17 @@ def build_tokenizer(spec: str):
                           f"tokenizer.json) or use \"byte\" (tools/preprocess_data.py --train-tokenizer makes one)")
     try:
         # Validation and the trainer each ask for the tokenizer; a large tokenizer.json is parsed once.
-        return _load_hf(os.path.abspath(spec), os.path.getmtime(spec))
+        beside = os.path.join(os.path.dirname(spec), "generation_config.json")
+        return _load_hf(os.path.abspath(spec), os.path.getmtime(spec),
+                        os.path.getmtime(beside) if os.path.isfile(beside) else None)
+    except ConfigError:
+        raise
     except Exception as e:  # tokenizers raises a bare Exception on bad JSON
         raise ConfigError(f"data.tokenizer = {spec!r}: not a valid tokenizer.json ({str(e).splitlines()[0]})") from None
 
 
 @functools.lru_cache(maxsize=8)
-def _load_hf(path: str, mtime: float) -> HFTokenizer:  # mtime: a rewritten file is loaded again
+def _load_hf(path: str, mtime: float, ends_mtime) -> HFTokenizer:  # mtimes: a rewritten file is loaded again
     return HFTokenizer(path)
 
 

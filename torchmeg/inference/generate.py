@@ -124,7 +124,10 @@ def prepare(argv: list[str]):
         template = chat_template(cfg)
         texts = [template.render([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
         a.stop, a.stop_id = template.end_of_turn(tok)  # one token (HF templates): decoding stops there
-    ids = [tok.encode(t) or [tok.eos_id] for t in texts]  # an empty prompt starts a new document
+    # A prompt is encoded as the tokenizer is configured (its post-processor's BOS: what transformers'
+    # `tokenizer(text)` and vLLM's completions give); a rendered chat already holds the template's own.
+    encode = tok.encode if a.chat else tok.encode_with_specials
+    ids = [encode(t) or [tok.eos_id] for t in texts]  # an empty prompt starts a new document
     check(a, ids, layout.args.max_seq_len)
     return a, cfg, layout, sampling, compile_decode, texts, ids
 
@@ -146,7 +149,8 @@ def run(prepared) -> None:
     for sample_index in range(a.num_samples):
         for start in range(0, len(ids), size):
             batch = ids[start:start + size]
-            eos = -1 if a.ignore_eos else a.stop_id if a.stop_id is not None else tok.eos_id
+            # The end of text, a release's generation_config.json ends, and the template's end of turn.
+            eos = () if a.ignore_eos else tok.end_ids | ({a.stop_id} if a.stop_id is not None else set())
             out = generate(loaded.built.model, batch, a.max_new_tokens, eos, sampling, loaded.device,
                            use_cache=not a.no_cache, decode_step=step, sample_index=sample_index)
             if rank == 0:

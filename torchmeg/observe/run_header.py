@@ -103,7 +103,13 @@ def _loss_line(cfg, built, layout) -> str:
     if cfg.training.objective == "grpo":
         g = cfg.grpo
         high = g.epsilon if g.epsilon_high < 0 else g.epsilon_high
-        return (f"grpo ({g.loss_type}): clipped ratio [1 - {g.epsilon:g}, 1 + {high:g}] x advantage (rewards - group "
+        ratio = "sequence ratio" if g.importance_sampling_level == "sequence" else "ratio"
+        policy = {"cispo": f"min({ratio}, {high:g}) (no gradient) x advantage x log-prob",
+                  "sapo": f"soft-gated {ratio} (tau {g.sapo_temperature_pos:g} / {g.sapo_temperature_neg:g}) x advantage",
+                  "vespo": "Gamma-weighted sequence ratio (no gradient) x advantage x log-prob"}.get(
+            g.loss_type, f"clipped {ratio} [1 - {g.epsilon:g}, 1 + {high:g}]" + (f", capped at {g.delta:g}" if g.delta else "")
+            + " x advantage")
+        return (f"grpo ({g.loss_type}): {policy} (rewards - group "
                 f"mean" + ("" if g.scale_rewards == "none" else f", / {g.scale_rewards} std") + ")"
                 + (f" + {g.beta:g} x KL to the reference" if g.beta else "")
                 + (f"; truncated importance sampling ({g.importance_sampling}, cap {g.importance_sampling_cap:g})"

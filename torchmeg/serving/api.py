@@ -85,7 +85,7 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        ids = s.tokenizer.encode(body.prompt)
+        ids = (s.tokenizer.encode_with_specials if body.add_special_tokens else s.tokenizer.encode)(body.prompt)
         return {"tokens": ids, "count": len(ids), "max_model_len": s.max_len}
 
     @app.post("/detokenize")
@@ -105,7 +105,7 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         for i in ids:
             _fits(s, len(i), max_tokens, allow_zero=body.echo)
-        eos = frozenset() if body.ignore_eos else frozenset({s.tokenizer.eos_id})
+        eos = frozenset() if body.ignore_eos else s.tokenizer.end_ids
         specs = [(p, i) for p in range(len(ids)) for i in range(body.n)]
         jobs = [_job(ids[p], max_tokens, body, i, body.stops(), eos) for p, i in specs]
         for job in jobs:
@@ -126,7 +126,7 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(s.max_len - len(ids), 0)
         _fits(s, len(ids), max_tokens)
         end, end_id = s.template.end_of_turn(s.tokenizer)
-        eos = set() if body.ignore_eos else {s.tokenizer.eos_id}
+        eos = set() if body.ignore_eos else set(s.tokenizer.end_ids)
         if end_id is not None and not body.ignore_eos:
             eos.add(end_id)  # the end of the turn is one token (HF templates): stop there
         stops = body.stops() + ((end,) if end and not body.ignore_eos else ())
@@ -149,7 +149,9 @@ def _check(s: Served, body) -> None:
 
 def _ids(s: Served, prompt) -> list[int]:
     if isinstance(prompt, str):
-        return s.tokenizer.encode(prompt) or [s.tokenizer.eos_id]  # an empty prompt starts a new document
+        # As vLLM's completions: the tokenizer's own special tokens added (a Llama-3 BOS); an empty
+        # prompt (no such token) starts a new document.
+        return s.tokenizer.encode_with_specials(prompt) or [s.tokenizer.eos_id]
     vocab = s.tokenizer.vocab_size
     if not prompt or not all(0 <= t < vocab for t in prompt):
         raise ApiError(400, f"prompt: token ids must be a non-empty list of ids in [0, {vocab})", "prompt")

@@ -32,7 +32,7 @@ from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
-from torchmeg.serving.kv_budget import budget_bytes, slot_length
+from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, slot_length
 from torchmeg.batching.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
 
@@ -100,6 +100,8 @@ def run(prepared) -> None:
         model.to(dtype)
     rank, world = dist.get_rank(), dist.get_world_size()
     budget, source = budget_bytes(a.kv_cache_gib, device)
+    if world > 1:
+        budget, source = agreed_budget(budget, source, device)
     a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
                                               budget, source)
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None

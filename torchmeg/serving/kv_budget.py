@@ -7,6 +7,8 @@ line naming the flags.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from torchmeg.config.errors import ConfigError
@@ -17,12 +19,28 @@ GPU_FRACTION = 0.9
 
 def budget_bytes(gib: float, device: torch.device) -> tuple[int, str]:
     """-> (bytes the KV cache may take on this rank, where that number comes from)."""
+    # Test hook: TORCHMEG_TEST_KV_BUDGET_SCALE scales this rank's budget (a rank with less memory free).
+    scale = float(os.environ.get("TORCHMEG_TEST_KV_BUDGET_SCALE", "1"))
     if gib > 0:
-        return int(gib * 2 ** 30), f"--kv-cache-gib {gib:g}"
+        return int(scale * gib * 2 ** 30), f"--kv-cache-gib {gib:g}"
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(GPU_FRACTION * free), f"{GPU_FRACTION:.0%} of the GPU memory free after the weights"
-    return int(CPU_DEFAULT_GIB * 2 ** 30), f"{CPU_DEFAULT_GIB:g} GiB, the CPU default (--kv-cache-gib)"
+        return int(scale * GPU_FRACTION * free), f"{GPU_FRACTION:.0%} of the GPU memory free after the weights"
+    return int(scale * CPU_DEFAULT_GIB * 2 ** 30), f"{CPU_DEFAULT_GIB:g} GiB, the CPU default (--kv-cache-gib)"
+
+
+def agreed_budget(budget: int, source: str, device: torch.device) -> tuple[int, str]:
+    """TP ranks hold one cache shape (each its share of the heads at the same positions): every rank
+    sizes its slots from the least budget of any rank, or a rank with less memory free would fill
+    first and die mid-request while rank 0 still admits it. One all-reduce, before anything can fail."""
+    import torch.distributed as dist  # (lazy: only TP serving agrees)
+    t = torch.tensor([budget, -budget], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    least, most = int(t[0]), -int(t[1])
+    if least == most:
+        return least, source
+    gib = 2 ** 30
+    return least, f"{source}: the least of {dist.get_world_size()} ranks', {least / gib:.2f} to {most / gib:.2f} GiB"
 
 
 def slot_length(max_seqs: int, asked: int, limit: int, per_token: int, budget: int, source: str) -> tuple[int, str]:

@@ -110,6 +110,7 @@ class ChatRequest(_Sampling):
 class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str
+    add_special_tokens: bool = True  # (vLLM's default: the ids a completion of this prompt reads)
 
 
 class DetokenizeRequest(_Strict):

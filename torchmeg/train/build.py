@@ -85,7 +85,9 @@ def loss_function(cfg, built: "BuiltModel | None" = None) -> Callable:
     if cfg.training.objective == "grpo":
         g = cfg.grpo
         return GRPOLoss(g.loss_type, g.beta, g.epsilon, g.epsilon_high, g.temperature, g.max_completion_length,
-                        g.importance_sampling, g.importance_sampling_cap, g.use_bias_correction_kl)
+                        g.importance_sampling, g.importance_sampling_cap, g.use_bias_correction_kl,
+                        g.importance_sampling_level, g.delta, (g.sapo_temperature_pos, g.sapo_temperature_neg),
+                        (g.vespo_k_pos, g.vespo_lambda_pos, g.vespo_k_neg, g.vespo_lambda_neg))
     if built is not None and built.head is not None:
         module, sp, keep = built.head, built.head_sequence_sharded, built.split_backward
         mean_over = "sum" if sft else "positions" if cfg.data.mask_eod_loss else "targets"

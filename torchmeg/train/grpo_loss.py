@@ -18,11 +18,19 @@ the sum over rows x max_completion_length; dapo: the sum over the global batch's
 (`token_scale`, set each step from the count the rollouts gathered); bnpo: each microbatch's token
 mean (TRL's: by definition a microbatch-size quantity).
 
+TRL's other keys and loss types, as it writes them: importance_sampling_level = "sequence" (GSPO: the
+ratio is exp of each completion's mean log-ratio, one per row); delta (two-sided clipping: the unclipped
+ratio capped at delta); cispo (-min(ratio, epsilon_high), no gradient, x A_i x logp; the dapo
+normalization); sapo (a sigmoid gate 4/tau x sigmoid(tau (ratio - 1)) in place of the clip, tau by the
+advantage's sign; grpo's normalization); luspo (each completion's token sum, averaged over rows);
+vespo (a no-gradient Gamma weight of the sequence ratio x A_i x logp; dapo's normalization).
+
 The importance-sampling ratio compares the trainer's log-probs with the engine's (`sampling`):
 exp(old - sampling) per token (or summed per sequence), truncated at the cap or masked beyond it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,14 +67,39 @@ def importance_ratio(old: torch.Tensor, sampling: torch.Tensor, mask: torch.Tens
     return ratio.masked_fill(ratio > cap, 0.0)
 
 
+TOKEN_SUM = ("dapo", "cispo", "vespo")  # normalized by the global batch's completion tokens (token_scale)
+
+
+def gamma_weights(adv, log_ratio, mask, is_ratio, k_pos: float, lambda_pos: float, k_neg: float,
+                  lambda_neg: float) -> torch.Tensor:
+    """VESPO's [B, 1] weights (TRL's get_gamma_weights): phi(w) = e^lambda w^k e^(-lambda w) of the
+    sequence's importance ratio w (its log-ratio summed, times the engine's token ratio), k and lambda
+    by the advantage's sign; no gradient (it scales -A x logp)."""
+    with torch.no_grad():
+        low = math.log(1e-8)
+        seq = (log_ratio.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)
+        if is_ratio is not None:
+            seq = seq + is_ratio.log().clamp(low, 20.0).sum(-1, keepdim=True)
+        log_w = seq.clamp(low, 20.0)
+        nonneg = adv >= 0
+        k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+        lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * log_w.exp()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 class GRPOLoss:
-    """`see(batch)` gives it the microbatch's RolloutRows; `token_scale` (dapo) is set per step."""
+    """`see(batch)` gives it the microbatch's RolloutRows; `token_scale` (dapo, cispo, vespo) is set per
+    step. level: TRL's importance_sampling_level (token, or sequence: GSPO, the mean log-ratio of each
+    completion); delta: two-sided clipping (the ratio capped at delta, INTELLECT-2; 0 = off); sapo:
+    (temperature for positive advantages, for the others); vespo: (k_pos, lambda_pos, k_neg, lambda_neg)."""
 
     def __init__(self, loss_type: str, beta: float, epsilon: float, epsilon_high: float, temperature: float,
                  max_completion_length: int, importance_sampling: str = "none", cap: float = 3.0,
-                 bias_correction_kl: bool = True):
+                 bias_correction_kl: bool = True, level: str = "token", delta: float = 0.0,
+                 sapo: tuple = (1.0, 1.05), vespo: tuple = (2.0, 3.0, 3.0, 2.0)):
         self.loss_type, self.beta, self.temperature = loss_type, beta, temperature
-        self.bias_correction_kl = bias_correction_kl
+        self.bias_correction_kl, self.level, self.delta, self.sapo, self.vespo = \
+            bias_correction_kl, level, delta, tuple(sapo), tuple(vespo)
         self.eps_low, self.eps_high = epsilon, epsilon if epsilon_high < 0 else epsilon_high
         self.max_completion_length, self.importance_sampling, self.cap = max_completion_length, importance_sampling, cap
         self.rows: RolloutRows | None = None
@@ -83,34 +116,52 @@ class GRPOLoss:
         mask = (labels != IGNORE).float()
         logp = token_logps(logits, labels, self.temperature)
         old = r.old if r.old is not None else logp.detach()
-        coef_1 = torch.exp(logp - old)
-        coef_2 = coef_1.clamp(1 - self.eps_low, 1 + self.eps_high)
+        log_ratio = logp - old
+        if self.level == "sequence":  # GSPO: one ratio per completion, its tokens' mean log-ratio
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+        coef_1 = torch.exp(log_ratio)
         adv = r.advantages[:, None].to(logp.dtype)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
         is_ratio = None
         if self.importance_sampling != "none":
             is_ratio = importance_ratio(old, r.sampling, mask, self.importance_sampling, self.cap)
-            per_token = per_token * is_ratio
         kl = None
         if self.beta != 0.0:
             d = r.ref - logp
             kl = torch.exp(d) - d - 1
             if self.bias_correction_kl:
                 kl = kl * coef_1
+        kind = self.loss_type
+        if kind == "cispo":  # the clipped ratio (no gradient) weights the log-prob's
+            per_token = -coef_1.clamp(max=self.eps_high).detach() * adv * logp
+        elif kind == "sapo":  # a soft gate in place of the clip
+            t = torch.where(adv > 0, self.sapo[0], self.sapo[1]).to(coef_1.dtype)
+            per_token = -torch.sigmoid(t * (coef_1 - 1)) * 4 / t * adv
+        elif kind == "vespo":
+            per_token = -gamma_weights(adv, logp - old, mask, is_ratio, *self.vespo) * adv * logp
+        else:
+            coef_2 = coef_1.clamp(1 - self.eps_low, 1 + self.eps_high)
+            if self.delta > 0:
+                coef_1 = coef_1.clamp(max=self.delta)
+            per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+        if is_ratio is not None and kind != "vespo":  # (vespo folds it into its weights)
+            per_token = per_token * is_ratio
+        if kl is not None:
             per_token = per_token + self.beta * kl
         masked = per_token * mask
-        if self.loss_type == "grpo":
+        if kind in ("grpo", "sapo"):
             loss = (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-        elif self.loss_type == "bnpo":
+        elif kind == "luspo":  # each completion's sum: a sequence's loss scaled by its length
+            loss = masked.sum(-1).mean()
+        elif kind == "bnpo":
             loss = masked.sum() / mask.sum().clamp(min=1.0)
-        elif self.loss_type == "dr_grpo":
+        elif kind == "dr_grpo":
             loss = masked.sum() / (labels.shape[0] * self.max_completion_length)
-        elif self.loss_type == "dapo":
+        elif kind in TOKEN_SUM:
             if self.token_scale is None:
                 raise RuntimeError("GRPOLoss: the step's completion-token count sets token_scale before the first loss")
             loss = masked.sum() * self.token_scale
         else:
-            raise ValueError(f"unknown GRPO loss type {self.loss_type!r}")
+            raise ValueError(f"unknown GRPO loss type {kind!r}")
         if self.record and torch.is_grad_enabled():
             self._record(logits, logp.detach(), old, mask, coef_1.detach(), adv, kl, is_ratio)
         return loss
@@ -125,13 +176,21 @@ class GRPOLoss:
             x = x / self.temperature
         lp = x.log_softmax(-1)
         entropy = -(lp.exp() * lp).sum(-1)
-        low = ((coef_1 < 1 - self.eps_low) & (adv < 0)).float()
-        high = ((coef_1 > 1 + self.eps_high) & (adv > 0)).float()
+        if self.loss_type == "cispo":  # (TRL: the share whose ratio the cap cut, positive advantages)
+            low, high = torch.zeros_like(coef_1), ((coef_1 > self.eps_high) & (adv > 0)).to(coef_1.dtype)
+        else:
+            low = ((coef_1 < 1 - self.eps_low) & (adv < 0)).to(coef_1.dtype)
+            high = ((coef_1 > 1 + self.eps_high) & (adv > 0)).to(coef_1.dtype)
+        # Clip shares per token, or per completion where the ratio is one per completion (TRL's
+        # global_masked_mean): the count they are divided by is then the rows'.
+        per_row = coef_1.shape[-1] == 1
+        clip_w = torch.ones_like(coef_1) if per_row else mask
         gap = (old - self.rows.sampling).abs() * mask
         ratio = is_ratio.expand_as(mask) if is_ratio is not None else torch.ones_like(mask)
-        s = torch.stack([mask.sum(), (low * mask).sum(), (high * mask).sum(), (torch.maximum(low, high) * mask).sum(),
+        s = torch.stack([mask.sum(), (low * clip_w).sum(), (high * clip_w).sum(),
+                         (torch.maximum(low, high) * clip_w).sum(),
                          (kl * mask).sum() if kl is not None else mask.new_zeros(()), (entropy * mask).sum(),
-                         gap.sum(), (ratio * mask).sum()]).double()
+                         gap.sum(), (ratio * mask).sum(), clip_w.sum()]).double()
         self.sums = s if self.sums is None else self.sums + s
         g = gap.max().double().reshape(1)
         self.gap_max = g if self.gap_max is None else torch.maximum(self.gap_max, g)
@@ -141,11 +200,16 @@ class GRPOLoss:
         if self.sums is None:
             return {}
         s, g, self.sums, self.gap_max = self.sums, self.gap_max, None, None
-        dist.all_reduce(s, group=group)
-        dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
-        n = max(s[0].item(), 1.0)
-        out = {"clip_ratio/low_mean": s[1].item() / n, "clip_ratio/high_mean": s[2].item() / n,
-               "clip_ratio/region_mean": s[3].item() / n, "entropy": s[5].item() / n,
+        if dist.is_initialized():  # (else one process: its sums are the batch's)
+            dist.all_reduce(s, group=group)
+            dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
+        n, c = max(s[0].item(), 1.0), max(s[8].item(), 1.0)
+        # The clip shares TRL logs for each loss type (sapo and vespo clip nothing: none).
+        clips = {"cispo_clip_ratio": s[2].item() / c} if self.loss_type == "cispo" else {} \
+            if self.loss_type in ("sapo", "vespo") else \
+            {"clip_ratio/low_mean": s[1].item() / c, "clip_ratio/high_mean": s[2].item() / c,
+             "clip_ratio/region_mean": s[3].item() / c}
+        out = {**clips, "entropy": s[5].item() / n,
                "sampling/sampling_logp_difference/mean": s[6].item() / n,
                "sampling/sampling_logp_difference/max": g.item()}
         if self.beta != 0.0:

@@ -132,6 +132,12 @@ def _check_grpo(cfg, layout: Layout, data: bool) -> None:
                           f"groups of grpo.num_generations = {g.num_generations}")
     if not (g.epsilon_high == -1.0 or g.epsilon_high >= 0):
         raise ConfigError(f"grpo.epsilon_high = {g.epsilon_high}: >= 0, or -1 for grpo.epsilon")
+    if g.loss_type == "vespo" and g.importance_sampling.startswith("sequence"):
+        raise ConfigError(f"grpo.importance_sampling = {g.importance_sampling!r} with grpo.loss_type = \"vespo\": "
+                          f"vespo folds a token ratio into its weights (as TRL); use token_truncate or token_mask")
+    for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        if getattr(g, key) <= 0:
+            raise ConfigError(f"grpo.{key} = {getattr(g, key)}: must be > 0 (the gate divides by it)")
     if cfg.checkpoint.enable and cfg.checkpoint.interval % g.num_iterations:
         raise ConfigError(f"checkpoint.interval = {cfg.checkpoint.interval}: a multiple of grpo.num_iterations = "
                           f"{g.num_iterations}, so a resume starts a fresh batch of rollouts")
