@@ -33,9 +33,17 @@ TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now. Under pytest-xdist each worker takes ports of its own residue modulo the
+    number of workers, so two workers never hand out the same port between its release here and
+    the bind of the run it is for."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port % count == int(worker or 0) % count:
+            return port
 
 
 class _Forked:

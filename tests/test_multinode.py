@@ -7,14 +7,13 @@ can be seen in the log.
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from conftest import ROOT, TINY, assert_parity, read_metrics, run_cli
+from conftest import ROOT, TINY, _free_port, assert_parity, read_metrics, run_cli
 
 ARGS = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=8",
                "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=0"]
@@ -23,9 +22,7 @@ HSDP = ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()
 
 
 def _agent(node: int, out, port: int, extra=(), env=None, nnodes=2, rdzv_conf=None) -> subprocess.Popen:
