@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import collections
 import inspect
+import random
 import re
 import json
 import os
@@ -16,9 +17,17 @@ import tempfile
 import threading
 import time
 
-import pytest
+# GNU OpenMP (torch's CPU wheel links libgomp) spins a waiting thread 300,000 times before it sleeps:
+# on a machine whose cores are busy with other work (another test worker, a build) a two-thread run
+# whose partner thread is descheduled burns its time slices spinning. Measured on the 2-core machine,
+# the MoE debug recipe's test: quiet 11.1 s as is, 11.5 s at 1,000 spins; beside two busy processes
+# 87 s as is, 26 s at 1,000 (OMP_WAIT_POLICY=passive: 23 s, but 15.3 s quiet). Read once, when libgomp
+# loads: set before torch is imported here and inherited by every process the suite starts.
+os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
-import processes
+import pytest  # noqa: E402
+
+import processes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,18 +41,27 @@ TINY = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_
 # its val_loss is compared too.
 
 
+PORTS = (20000, 12000)  # the first port the suite draws from, how many
+_PORT_DRAW = random.Random()  # (its own: a test that seeds `random` does not replay the suite's ports)
+
+
 def _free_port() -> int:
-    """A port free now. Under pytest-xdist each worker takes ports of its own residue modulo the
-    number of workers, so two workers never hand out the same port between its release here and
-    the bind of the run it is for."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]
-    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    while True:
+    """A port free now, from a range below the kernel's ephemeral ports (32768+: the local ends of
+    every connection the runs open, which could take a port between its release here and the bind
+    of the run it is for). Under pytest-xdist each worker draws from a slice of its own, so two
+    workers never hand out the same port."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    size = PORTS[1] // count
+    for _ in range(200):
+        port = PORTS[0] + worker * size + _PORT_DRAW.randrange(size)
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port % count == int(worker or 0) % count:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use
             return port
+    raise RuntimeError(f"no free port in {PORTS[0] + worker * size}..{PORTS[0] + (worker + 1) * size}")
 
 
 class _Forked:

@@ -1,7 +1,8 @@
 """Serving throughput and latency, reported as `vllm bench serve` reports them.
 
     python tools/serve_bench.py --config recipes/debug_llama.toml [--sets mix,fixed] [--concurrency 1,8,32,64]
-        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine] [--json FILE]
+        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine [--peer transformers]]
+        [--json FILE]
         [--section.key=value ...]
 
 Starts `python -m torchmeg.serve` on the recipe's newest checkpoint (or uses the server at --url),
@@ -14,7 +15,11 @@ each from elsewhere in the text (the same work without a shared prefix). Per row
 throughput, output tokens/s and its ratio to concurrency 1 (one by one), time to first token
 (TTFT), time per output token after the first (TPOT), inter-token latency (ITL, every gap between
 streamed tokens), mean / median / p99. `--engine`: the same requests through the serving engine in
-this process, no HTTP (the engine's own scaling, apart from the server's). One run, side by side: the ratios are the result; the
+this process, no HTTP (the engine's own scaling, apart from the server's). `--peer transformers` (with
+--engine): the model exported as checkpoint.export_hf writes it (llama and hf models) and run by
+transformers' continuous batching (`generate_batch`: paged cache, block sharing on, --max-seqs
+requests a batch) on the same requests, greedy; one line per set: both throughputs side by side, the
+ratio, and how many requests got the same tokens. One run, side by side: the ratios are the result; the
 absolute numbers are this machine's.
 """
 from __future__ import annotations
@@ -191,6 +196,7 @@ def engine_runner(args, rest):
                     submit(queue.pop(0))
         wall = time.perf_counter() - t0
         got = []
+        run_engine.tokens = [list(r["job"].tokens) for r in records]  # (in the bodies' order: --peer compares)
         for r in records:
             n, st = len(r["job"].tokens), r["stamps"]
             ttft = st[0] if st else r["end"]
@@ -198,7 +204,58 @@ def engine_runner(args, rest):
                             tpot=(r["end"] - ttft) / (n - 1) if n > 1 else 0.0))
         return summarize(got, wall, (time.process_time() - cpu0) / wall, concurrency)
     text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
+    run_engine.loaded, run_engine.cfg, run_engine.layout = loaded, cfg, layout
     return cfg.job.name + " (in process)", loaded.tokenizer.encode(text), run_engine
+
+
+def transformers_runner(run_engine, max_seqs: int):
+    """--peer transformers: the same model exported (checkpoint.export_hf's folder) and loaded by
+    transformers, the same requests through its continuous batching (`generate_batch`: paged cache,
+    block sharing on, at most max_seqs requests a batch: the concurrency), greedy, every request its
+    max_tokens. One call of all the requests (generate_batch has no clients arriving one at a time):
+    compare with the engine's row at concurrency = max_seqs. -> run(bodies, c) -> row, with each
+    request's tokens kept to compare."""
+    import tempfile
+    from transformers import AutoModelForCausalLM, GenerationConfig  # lazy: --peer only
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from torchmeg.checkpoint.export import export_hf
+    loaded, cfg = run_engine.loaded, run_engine.cfg
+    folder = tempfile.mkdtemp(prefix="serve_bench_hf_")
+    export_hf(loaded.built.model, run_engine.layout.args, cfg, folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=next(loaded.built.model.parameters()).dtype,
+                                              attn_implementation="sdpa").eval()
+
+    def run_peer(bodies: list[dict], concurrency: int) -> dict:
+        n = bodies[0]["max_tokens"]
+        gen = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        longest = max(len(b["prompt"]) for b in bodies) + n
+        cb = ContinuousBatchingConfig(page_size=16, num_blocks=concurrency * (-(-longest // 16)) + 16,
+                                      max_batch_tokens=max(512, concurrency), max_requests_per_batch=concurrency,
+                                      allow_block_sharing=True, auto_switch_to_flash=False, use_cuda_graph=False)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        with torch_no_grad():
+            out = hf.generate_batch([list(b["prompt"]) for b in bodies], generation_config=gen,
+                                    continuous_batching_config=cb, record_timestamps=True, warmup=False)
+        wall = time.perf_counter() - t0
+        got, tokens = [], []
+        for rid in sorted(out, key=lambda r: int(r.split("_")[-1]) if r.split("_")[-1].isdigit() else r):
+            o = out[rid]
+            st = [x - t0 for x in (o.timestamps or [])]
+            end = st[-1] if st else wall
+            ttft = st[0] if st else end
+            k = len(o.generated_tokens)
+            tokens.append(list(o.generated_tokens))
+            got.append(dict(ttft=ttft, e2e=end, tokens=k, itl=[b - a for a, b in zip(st, st[1:])],
+                            tpot=(end - ttft) / (k - 1) if k > 1 else 0.0))
+        row = summarize(got, wall, (time.process_time() - cpu0) / wall, concurrency)
+        row["_tokens"] = tokens
+        return row
+    return run_peer
+
+
+def torch_no_grad():
+    import torch  # lazy: --engine only
+    return torch.no_grad()
 
 
 def main() -> None:
@@ -212,7 +269,11 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--json", default="")
     ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
+    ap.add_argument("--peer", default="", choices=["", "transformers"],
+                    help="with --engine: also transformers' continuous batching on the exported model, same requests")
     args, rest = ap.parse_known_args()
+    if args.peer and not args.engine:
+        raise SystemExit("serve_bench: --peer transformers runs beside --engine (both in this process)")
     proc, url = (None, "") if args.engine or args.url else start_server(args, rest)
     url = url or args.url
     try:
@@ -226,7 +287,7 @@ def main() -> None:
             ids = json.loads(_call(u.hostname, u.port, "POST", "/tokenize", {"model": model, "prompt": text}))["tokens"]
             run_one, where = (lambda bodies, c: run(u.hostname, u.port, bodies, c)), url
         sets = prompt_sets(ids, args.requests, args.sets.split(","))
-        rows = []
+        rows, peers = [], []
         for name, prompts in sets.items():
             bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                            stream=True, stream_options={"include_usage": True}) for p in prompts]
@@ -235,6 +296,8 @@ def main() -> None:
             for r in set_rows:
                 r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
             rows += set_rows
+            if args.peer:
+                peers.append(compare_peer(name, bodies, args.max_seqs, run_one))
         lengths = {k: (min(map(len, v)), max(map(len, v))) for k, v in sets.items()}
         print(f"serve_bench: {model} at {where}, {args.requests} requests x {args.max_tokens} output tokens, greedy; "
               + "; ".join(f"set {k}: prompts {a}-{b} tokens" for k, (a, b) in lengths.items())
@@ -253,6 +316,8 @@ def main() -> None:
                 a, b = by[("shared", c)], by[("unrelated", c)]
                 print(f"shared prefix vs unrelated prompts at concurrency {c}: {b['seconds'] / a['seconds']:.2f}x "
                       f"faster in all, TTFT median {b['ttft_median_ms'] / max(a['ttft_median_ms'], 1e-9):.2f}x lower")
+        for line in peers:
+            print(line)
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(rows, fh, indent=1)
@@ -260,6 +325,23 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(60)
+
+
+def compare_peer(name: str, bodies: list[dict], max_seqs: int, run_engine) -> str:
+    """The engine at concurrency max_seqs and transformers' generate_batch at max_seqs a batch, run one
+    after the other on the same requests: one line, the ratio and how many requests got the same tokens."""
+    peer = getattr(run_engine, "peer", None) or transformers_runner(run_engine, max_seqs)
+    run_engine.peer = peer
+    ours = run_engine(bodies, max_seqs)  # (the engine ran these requests before, in the table: warm)
+    our_tokens = run_engine.tokens
+    peer(bodies, max_seqs)  # warm up as the engine was: the same requests once (first shapes, allocations)
+    theirs = peer(bodies, max_seqs)
+    same = sum(a == b for a, b in zip(our_tokens, theirs["_tokens"]))
+    ratio = ours["output_tokens_per_sec"] / theirs["output_tokens_per_sec"]
+    return (f"set {name}: torchmeg's engine {ours['output_tokens_per_sec']:,.0f} output tok/s vs transformers' "
+            f"generate_batch {theirs['output_tokens_per_sec']:,.0f} ({ratio:.2f}x), TTFT mean "
+            f"{ours['ttft_mean_ms']:,.0f} vs {theirs['ttft_mean_ms']:,.0f} ms, {max_seqs} sequences a batch; the same "
+            f"greedy tokens in {same} of {len(bodies)} requests")
 
 
 def _call(host, port, method, path, body=None) -> str:
