@@ -65,15 +65,15 @@ def _native_state(out) -> dict[str, torch.Tensor]:
 
 def _release(trained: dict[str, torch.Tensor]) -> tuple[dict, dict]:
     """-> (the release's tensors: QUANTIZED weights in e4m3 + F32 scales of 128 x 128 blocks, routing
-    biases F32, every other tensor BF16; the judge's: the values those stand for, in fp32)."""
+    biases F32, every other tensor BF16; the judge's: the values those stand for, in fp32, dequantized
+    by transformers)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
     release, judge = {}, {}
     for name, t in trained.items():
         if QUANTIZED.search(name):
             q, s = _fp8_quantize(t.float(), BLOCK)
             release[name], release[name + "_scale_inv"] = q, s
-            rows, cols = t.shape
-            expand = s.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
-            judge[name] = q.float() * expand  # W = q x its block's scale
+            judge[name] = _dequantize_fp8_weight(q, s, BLOCK, torch.float32)  # transformers' W = q x its block's scale
         elif name.endswith("e_score_correction_bias"):
             release[name] = judge[name] = t.float()
         else:

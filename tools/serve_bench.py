@@ -216,7 +216,8 @@ def transformers_runner(run_engine, max_seqs: int):
     compare with the engine's row at concurrency = max_seqs. -> run(bodies, c) -> row, with each
     request's tokens kept to compare."""
     import tempfile
-    from transformers import AutoModelForCausalLM, GenerationConfig  # lazy: --peer only
+    import torch  # lazy: --peer only
+    from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from torchmeg.checkpoint.export import export_hf
     loaded, cfg = run_engine.loaded, run_engine.cfg
@@ -233,7 +234,7 @@ def transformers_runner(run_engine, max_seqs: int):
                                       max_batch_tokens=max(512, concurrency), max_requests_per_batch=concurrency,
                                       allow_block_sharing=True, auto_switch_to_flash=False, use_cuda_graph=False)
         t0, cpu0 = time.perf_counter(), time.process_time()
-        with torch_no_grad():
+        with torch.no_grad():
             out = hf.generate_batch([list(b["prompt"]) for b in bodies], generation_config=gen,
                                     continuous_batching_config=cb, record_timestamps=True, warmup=False)
         wall = time.perf_counter() - t0
@@ -251,11 +252,6 @@ def transformers_runner(run_engine, max_seqs: int):
         row["_tokens"] = tokens
         return row
     return run_peer
-
-
-def torch_no_grad():
-    import torch  # lazy: --engine only
-    return torch.no_grad()
 
 
 def main() -> None:

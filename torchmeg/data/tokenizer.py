@@ -58,7 +58,7 @@ class HFTokenizer:
             eos = self.vocab_size
             self.vocab_size += 1
         self.eos_id = eos
-        self.end_ids = frozenset({eos} | generation_ends(os.path.dirname(path), self.vocab_size))
+        self.end_ids = frozenset({eos} | generation_ends(generation_config(path), self.vocab_size))
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -97,12 +97,16 @@ class HFTokenizer:
         return out
 
 
-def generation_ends(folder: str, vocab_size: int) -> set[int]:
-    """The ids a release says end a generation: `eos_token_id` (an id or a list) of the
-    `generation_config.json` beside its tokenizer.json (from-hf copies it there), as transformers'
-    `generate` and vLLM stop at them (an instruct release lists its end of turn beside its end of text).
-    No such file: none. A malformed one, or ids outside the vocabulary: one line naming the file."""
-    path = os.path.join(folder, "generation_config.json")
+def generation_config(tokenizer_path: str) -> str:
+    """The generation_config.json beside a tokenizer.json (from-hf copies a release's there)."""
+    return os.path.join(os.path.dirname(tokenizer_path), "generation_config.json")
+
+
+def generation_ends(path: str, vocab_size: int) -> set[int]:
+    """The ids a release says end a generation: `eos_token_id` (an id or a list) of its
+    generation_config.json at `path`, as transformers' `generate` and vLLM stop at them (an instruct
+    release lists its end of turn beside its end of text). No such file: none. A malformed one, or ids
+    outside the vocabulary: one line naming the file."""
     if not os.path.isfile(path):
         return set()
     try:
@@ -140,7 +144,7 @@ def build_tokenizer(spec: str):
                           f"tokenizer.json) or use \"byte\" (tools/preprocess_data.py --train-tokenizer makes one)")
     try:
         # Validation and the trainer each ask for the tokenizer; a large tokenizer.json is parsed once.
-        beside = os.path.join(os.path.dirname(spec), "generation_config.json")
+        beside = generation_config(spec)
         return _load_hf(os.path.abspath(spec), os.path.getmtime(spec),
                         os.path.getmtime(beside) if os.path.isfile(beside) else None)
     except ConfigError:

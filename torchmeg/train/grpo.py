@@ -42,7 +42,8 @@ from torchmeg.train.rewards import call_rewards, load_reward_funcs
 
 def stop_tokens(tokenizer, template) -> tuple[frozenset, tuple[str, ...]]:
     """(end-of-sequence ids, stop strings): the tokenizer's end of text (and the ends a release's
-    generation_config.json lists), and the chat template's end of turn (one token: an id; several: a stop string, its tokens kept in the completion)."""
+    generation_config.json lists), and the chat template's end of turn (one token: an id; several: a
+    stop string, its tokens kept in the completion)."""
     eos, stops = set(tokenizer.end_ids), ()
     end, end_id = template.end_of_turn(tokenizer) if template is not None else ("", None)
     if end_id is not None:

@@ -205,10 +205,13 @@ class GRPOLoss:
             dist.all_reduce(g, op=dist.ReduceOp.MAX, group=group)
         n, c = max(s[0].item(), 1.0), max(s[8].item(), 1.0)
         # The clip shares TRL logs for each loss type (sapo and vespo clip nothing: none).
-        clips = {"cispo_clip_ratio": s[2].item() / c} if self.loss_type == "cispo" else {} \
-            if self.loss_type in ("sapo", "vespo") else \
-            {"clip_ratio/low_mean": s[1].item() / c, "clip_ratio/high_mean": s[2].item() / c,
-             "clip_ratio/region_mean": s[3].item() / c}
+        if self.loss_type == "cispo":
+            clips = {"cispo_clip_ratio": s[2].item() / c}
+        elif self.loss_type in ("sapo", "vespo"):
+            clips = {}
+        else:
+            clips = {"clip_ratio/low_mean": s[1].item() / c, "clip_ratio/high_mean": s[2].item() / c,
+                     "clip_ratio/region_mean": s[3].item() / c}
         out = {**clips, "entropy": s[5].item() / n,
                "sampling/sampling_logp_difference/mean": s[6].item() / n,
                "sampling/sampling_logp_difference/max": g.item()}
