@@ -1,5 +1,6 @@
 """Every class of bad input: exit 2, exactly one line on stderr naming the key, no traceback."""
 import os
+import re
 import subprocess
 import sys
 
@@ -129,3 +130,33 @@ def test_tf32_is_set_on_cuda_only():
             assert torch.backends.cuda.matmul.allow_tf32 is tf32 and torch.backends.cudnn.allow_tf32 is tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"],
+     "pipeline_parallel_schedule = 'ZBVZeroBubble'"),
+    (["--config", "recipes/moe_debug.toml", "--parallelism.pipeline_parallel_degree=2"], "pipeline_parallel_degree = 2 with moe"),
+    (["--parallelism.context_parallel_degree=2"], "context_parallel_degree = 2"),
+    (["--config", "recipes/deepseek_v3_debug.toml", "--parallelism.tensor_parallel_degree=2"],
+     "tensor_parallel_degree = 2 with deepseek_v3's MLA"),
+])
+def test_a_layout_torch_2_11_gets_wrong_is_refused_there_in_one_line(args, words):
+    """On torch 2.11 (the whole suite run there: these layouts crash inside torch or train to other
+    numbers than one process) each is one line naming the key, the torch and the fix; on torch 2.13
+    and 2.14.1 the same layout passes the check (the suite trains every one of them), and so does a
+    plain layout on 2.11."""
+    from torchmeg.models.args import model_args
+    from torchmeg.parallel.dims import ParallelDims
+    from torchmeg.runtime.torch_versions import check_torch_version
+
+    def parts(argv):
+        cfg = load_config(argv[1], argv[2:])
+        return cfg, model_args(cfg, None), ParallelDims.from_config(cfg, 2)
+    if args[0] != "--config":
+        args = ["--config", "recipes/debug_llama.toml"] + args
+    cfg, model, dims = parts(args)
+    with pytest.raises(ConfigError, match=re.escape(words) + r".*torch 2\.11\.0.*install torch>=2\.13"):
+        check_torch_version(cfg, model, dims, version="2.11.0+cu130")
+    for newer in ("2.13.0+cpu", "2.14.1"):
+        check_torch_version(cfg, model, dims, version=newer)
+    check_torch_version(*parts(["--config", args[1], "--parallelism.tensor_parallel_degree=1"]), version="2.11.0")

@@ -10,6 +10,12 @@ import pytest
 from conftest import TINY, assert_parity, read_metrics, run_cli
 from test_compiler import _float8_fqns
 from test_plan import _plan
+from torchmeg.parallel.mxfp8 import torch_has_mx_training
+
+# torchao's MX training needs DTensor features torch 2.11 lacks (the recipe check refuses there, tested
+# below on every torch); these runs need them
+needs_mx_torch = pytest.mark.skipif(not torch_has_mx_training(),
+                                    reason="this torch lacks what torchao's MXFP8 training needs (torch >= 2.13)")
 
 P = "--parallelism."
 MX = ["--float8.enable=true", "--float8.recipe=mxfp8"]
@@ -31,7 +37,20 @@ def _record(tmp_path) -> dict:
     return json.loads((tmp_path / "ops.rank0.json").read_text())
 
 
+def test_mxfp8_on_a_torch_without_it_is_one_line_before_anything_starts(monkeypatch):
+    """On a torch whose DTensor lacks what torchao's MX training needs (torch 2.11), the recipe
+    check names the key, the torch and the fix, before any model is built."""
+    from torchmeg.config.errors import ConfigError
+    from torchmeg.config.schema import load_config
+    from torchmeg.train import validate as v
+    monkeypatch.setattr(v, "torch_has_mx_training", lambda: False)
+    cfg = load_config("recipes/debug_llama.toml", ["--float8.enable=true", "--float8.recipe=mxfp8"])
+    with pytest.raises(ConfigError, match=r"float8.recipe = 'mxfp8': torchao's MXFP8 training needs .* install torch>=2.13"):
+        v.validate(cfg, 1)
+
+
 @pytest.mark.slow
+@needs_mx_torch
 def test_mxfp8_trains_debug_recipe_close_to_fp32(tmp_path):
     """30 steps of the debug recipe's model: every block Linear converted (the head is not), e4m3 elements and e8m0
     scales cast in step 1, the header naming the emulation, and the held-out loss at step 30 (8 batches)
@@ -59,6 +78,7 @@ KV_HIGH = ["--float8.filter_fqns=['output', 'wk', 'wv']"]
 
 
 @pytest.mark.slow
+@needs_mx_torch
 @pytest.mark.parametrize("name, ranks, local, layout", [
     ("fsdp2", 2, 4, [P + "data_parallel_shard_degree=2"]),
     ("tp2", 2, 8, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1"] + KV_HIGH),
@@ -84,6 +104,7 @@ def test_mxfp8_layouts_match_single_process(name, ranks, local, layout, tmp_path
 
 
 @pytest.mark.slow
+@needs_mx_torch
 def test_mxfp8_grouped_experts_under_expert_parallel(tmp_path):
     """The MoE's grouped experts run torchao's MXFP8 grouped matmul (its emulation dequantizes into bf16:
     the grouped matmul's operands are bf16 in this fp32 run, where unconverted experts would be fp32),
@@ -101,6 +122,7 @@ def test_mxfp8_grouped_experts_under_expert_parallel(tmp_path):
 
 
 @pytest.mark.slow
+@needs_mx_torch
 def test_mxfp8_refuses_partial_token_blocks_and_planning(tmp_path):
     """Refused in one line each: a microbatch of 60 tokens (MX blocks are 32) and the planner (it cannot
     trace torchao's GPU kernels on fake tensors)."""
@@ -111,6 +133,7 @@ def test_mxfp8_refuses_partial_token_blocks_and_planning(tmp_path):
 
 
 @pytest.mark.slow
+@needs_mx_torch
 def test_mxfp8_checkpoint_resumes_exactly(tmp_path):
     """FSDP2: the MX-wrapped weights and their moments are saved as plain tensors (a checkpoint holds no
     tensor subclass; a pickled one would not load) and a run stopped after step 2 resumes into the

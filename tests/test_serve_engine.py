@@ -138,6 +138,37 @@ def test_engine_penalties_are_openais():
     assert jobs[1].tokens == generate(model, [prompt], 12, -1, Sampling(), "cpu")[0].tokens
 
 
+def test_penalty_counts_grow_with_each_step_and_seeds_share_one_sampling_call(monkeypatch):
+    """The penalties' counts are kept on the job and updated with each step's new token (one element
+    added a step, not the whole list again: O(new), not O(n^2) over a completion), equal to a bincount
+    of the tokens; rows whose sampling differs only in its seed (unseeded requests each draw one)
+    sample in ONE call, each row's token the one its seed draws alone."""
+    from torchmeg.batching import sampler
+    V, added = 50, []
+    real_add = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda t, d, i, src: added.append(len(i)) or real_add(t, d, i, src))
+    job = Job([1, 2], 20, Sampling(), on_event=None, presence=0.5, frequency=1.0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(12):
+        logits = torch.randn(1, V, generator=g)
+        job.tokens.append(sampler.sample_rows(logits, [job])[0])
+    assert added == [1] * 11  # (the first step has no generated token yet)
+    assert torch.equal(job.penalty_counts, torch.bincount(torch.tensor(job.tokens[:-1]), minlength=V).float())
+    monkeypatch.setattr(torch.Tensor, "index_add_", real_add)
+    calls = []
+    real_sample = sampler.sample
+    monkeypatch.setattr(sampler, "sample", lambda *a, **k: calls.append(a[0].shape[0]) or real_sample(*a, **k))
+    seeds = [11, 12, 13, 14, 15]
+    jobs = [Job([3, 4, i], 8, Sampling(temperature=1.0, top_p=0.9, seed=sd), on_event=None) for i, sd in enumerate(seeds)]
+    for j in jobs:
+        j.tokens = [7] * 3
+    logits = torch.randn(len(jobs), V, generator=g)
+    together = sampler.sample_rows(logits, jobs)
+    assert calls == [len(jobs)]
+    alone = [sampler.sample_rows(logits[i:i + 1], [j])[0] for i, j in enumerate(jobs)]
+    assert together == alone and len(set(together)) > 1  # (different seeds draw differently here)
+
+
 def test_every_cancelled_job_hears_its_end_and_gives_its_place_back():
     """A cancelled job, running or waiting, ends with one event ("abort") and leaves the scheduler; the
     others run to their end. (The engine used to drop a cancelled job without an event: the API process,

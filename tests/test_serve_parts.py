@@ -90,6 +90,20 @@ def test_prompts_pack_long_ones_chunk_and_running_slots_stay_contiguous(name, mo
         assert j.tokens == generate(model, [p], n, -1, s, "cpu")[0].tokens
 
 
+def test_packed_prefill_reads_nothing_back_from_the_device():
+    """Binding a packed prefill (three prompts in one row) sizes everything from the lengths the host
+    has: under the mode that refuses host reads (tests/host_reads.py: .item(), .tolist(), and the ops
+    whose output size a CUDA kernel must read back, repeat_interleave without output_size among them)
+    it raises nothing, and the positions restart at each prompt. (It read three lengths back before.)"""
+    from host_reads import HostReads
+    cache = slots.SlotCache(4, 32, "cpu")
+    with HostReads(refuse=True):
+        positions = cache.bind_packed([2, 0, 3], [3, 1, 4])
+        mask = cache.mask(8, 8)
+    assert positions.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]] and cache.spans == [(0, 3), (3, 4), (4, 8)]
+    assert cache.rows.tolist() == [[2, 2, 2, 0, 3, 3, 3, 3]] and mask[0, 0, 5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+
+
 def test_decode_goes_per_sequence_where_the_padding_costs_more_than_a_call():
     """PER_ROW_BYTES (256 KiB, ~25 us of reading on this CPU, what an SDPA call costs) per sequence:
     two sequences of 1,000 and 100 positions at 1 KiB a position (the debug model) pad 900 KiB > 512

@@ -7,10 +7,14 @@
 
 One worker process per setting builds its trainer (and compiles, timed) once; the parent then runs
 the settings in interleaved rounds (A B C, A B C, ...) one at a time, so drift in the machine's
-speed hits every setting alike. Reported per setting: median step time, tokens/s, MFU, peak
-memory (the worker's VmHWM on CPU, allocator peak on GPU), compile time (first step minus a median
-step), inductor kernels generated, and tokens/s relative to the first setting. Writes
-<out>/bench.md, bench.json and bench.png.
+speed hits every setting alike. `--one-at-a-time`: each setting's worker runs all its rounds and
+exits before the next starts (models too large to hold several at once, as a 1B on one GPU).
+Reported per setting: median step time, tokens/s, MFU, peak memory (the worker's VmHWM on CPU,
+allocator peak on GPU), compile time (first step minus a median step), inductor kernels generated,
+the loss of its last step (every setting runs the same number of steps on the same data from the
+same seed, so the losses compare: float8 against bf16), and tokens/s relative to the first setting.
+`--float8` takes off / on (the recipe's float8.recipe) / tensorwise / rowwise / rowwise_with_gw_hp.
+Writes <out>/bench.md, bench.json and bench.png.
 """
 from __future__ import annotations
 
@@ -39,10 +43,12 @@ def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
     tr = Trainer(cfg, validate(cfg))
     it = iter(tr.loader)
 
+    last = {}
+
     def step() -> float:
         batches = [next(it) for _ in range(tr.layout.accum)]
         t0 = time.perf_counter()
-        tr.train_step(batches)
+        last["loss"] = tr.train_step(batches)[0]
         if tr.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -62,7 +68,7 @@ def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
                 pass
             conn.send({"tokens_per_step": tr.layout.tokens_per_step, "flops_per_token": tr.flops_per_token,
                        "peak_flops": tr.peak, "peak_source": tr.peak_source,
-                       "memory_gib": peak_memory_gib(tr.device), "kernels": kernels})
+                       "memory_gib": peak_memory_gib(tr.device), "kernels": kernels, "last_loss": last["loss"]})
         else:
             tr.close()
             conn.send("bye")
@@ -74,12 +80,14 @@ def settings_from(a) -> list[tuple[str, list[str]]]:
     for comp, ac, f8, prec, batch in itertools.product(a.compile.split(","), a.ac.split(","), a.float8.split(","),
                                                        a.precision.split(","), a.batch.split(",")):
         ov = [f"--compile.enable={'true' if comp == 'on' else 'false'}", f"--activation_checkpoint.mode={ac}",
-              f"--float8.enable={'true' if f8 == 'on' else 'false'}", f"--training.mixed_precision={prec}"]
+              f"--float8.enable={'false' if f8 == 'off' else 'true'}", f"--training.mixed_precision={prec}"]
+        if f8 not in ("off", "on"):
+            ov.append(f"--float8.recipe={f8}")
         if batch:
             ov.append(f"--training.local_batch_size={batch}")
         parts = [("compiled" if comp == "on" else "eager")]
         parts += [f"ac={ac}"] if ac != "none" else []
-        parts += ["float8"] if f8 == "on" else []
+        parts += [] if f8 == "off" else ["float8" if f8 == "on" else f"float8 {f8}"]
         parts += [prec] if prec != "fp32" else []
         parts += [f"bs={batch}"] if batch else []
         out.append((" ".join(parts), ov))
@@ -91,12 +99,14 @@ def main(argv=None) -> int:
     ap.add_argument("--config", default="recipes/debug_llama.toml")
     ap.add_argument("--compile", default="off,on", help="comma list of off/on")
     ap.add_argument("--ac", default="none", help="comma list of none/full/selective")
-    ap.add_argument("--float8", default="off", help="comma list of off/on")
+    ap.add_argument("--float8", default="off", help="comma list of off/on/tensorwise/rowwise/rowwise_with_gw_hp")
     ap.add_argument("--precision", default="fp32", help="comma list of fp32/bf16")
     ap.add_argument("--batch", default="", help="comma list of local batch sizes ('' = the recipe's)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps per setting per round")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="each setting built, timed and ended before the next (no interleaving; less memory)")
     ap.add_argument("--out", default="outputs/bench")
     ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every setting")
     a, extra = ap.parse_known_args(argv)
@@ -104,58 +114,78 @@ def main(argv=None) -> int:
     dump = tempfile.mkdtemp(prefix="torchmeg-bench-")
     settings = settings_from(a)
     ctx = mp.get_context("spawn")
-    workers = []
-    for name, ov in settings:
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(child, a.config, ov + a.overrides + extra, dump), daemon=True)
-        p.start()
-        workers.append((name, parent, p))
-        # Build/compile one at a time so compile times are not inflated by each other.
-        msg, first = parent.recv()
-        print(f"[bench] {name}: ready, first step {first:.2f} s", file=sys.stderr, flush=True)
-        workers[-1] = (name, parent, p, first)
-    for _, conn, _, _ in workers:
-        conn.send(("run", a.warmup))
-        conn.recv()
-    times = {w[0]: [] for w in workers}
-    for r in range(a.repeats):
-        for name, conn, _, _ in workers:
-            conn.send(("run", a.steps))
-            times[name] += conn.recv()
-        print(f"[bench] round {r + 1}/{a.repeats} done", file=sys.stderr, flush=True)
     rows = []
-    for name, conn, p, first in workers:
-        conn.send(("report", None))
-        rep = conn.recv()
-        conn.send(("exit", None))
-        conn.recv()
-        p.join(timeout=60)
-        med = statistics.median(times[name])
-        tps = rep["tokens_per_step"] / med
-        rows.append({"setting": name, "median_step_ms": 1000 * med, "tokens_per_sec": tps,
-                     "mfu": tps * rep["flops_per_token"] / rep["peak_flops"], "memory_gib": rep["memory_gib"],
-                     "compile_s": max(0.0, first - med), "kernels": rep["kernels"], "peak_source": rep["peak_source"],
-                     "step_ms_all": [1000 * t for t in times[name]]})
-    base = rows[0]["tokens_per_sec"]
-    for r in rows:
-        r["speedup"] = r["tokens_per_sec"] / base
+    if a.one_at_a_time:
+        for name, ov in settings:
+            w = _start(ctx, name, a, ov + a.overrides + extra, dump)
+            _run(w, a.warmup)
+            times = [t for _ in range(a.repeats) for t in _run(w, a.steps)]
+            rows.append(_finish(w, times))
+            _write_json(rows, a)  # (the settings so far: a caller that stops this run keeps them)
+    else:
+        workers = [_start(ctx, name, a, ov + a.overrides + extra, dump) for name, ov in settings]
+        for w in workers:
+            _run(w, a.warmup)
+        times = {w[0]: [] for w in workers}
+        for r in range(a.repeats):
+            for w in workers:
+                times[w[0]] += _run(w, a.steps)
+            print(f"[bench] round {r + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+        rows = [_finish(w, times[w[0]]) for w in workers]
     write_reports(rows, a, settings[0][0])
     return 0
 
 
+def _write_json(rows, a) -> None:
+    for r in rows:
+        r["speedup"] = r["tokens_per_sec"] / rows[0]["tokens_per_sec"]
+    with open(os.path.join(a.out, "bench.json"), "w") as fh:
+        json.dump(rows, fh, indent=1)
+
+
+def _start(ctx, name, a, overrides, dump):
+    """A setting's worker, built and compiled (one at a time, so compile times are not inflated by
+    each other) -> (name, connection, process, first step's seconds)."""
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_worker, args=(child, a.config, overrides, dump), daemon=True)
+    p.start()
+    msg, first = parent.recv()
+    print(f"[bench] {name}: ready, first step {first:.2f} s", file=sys.stderr, flush=True)
+    return name, parent, p, first
+
+
+def _run(w, steps: int) -> list[float]:
+    w[1].send(("run", steps))
+    return w[1].recv()
+
+
+def _finish(w, times: list[float]) -> dict:
+    name, conn, p, first = w
+    conn.send(("report", None))
+    rep = conn.recv()
+    conn.send(("exit", None))
+    conn.recv()
+    p.join(timeout=60)
+    med = statistics.median(times)
+    tps = rep["tokens_per_step"] / med
+    return {"setting": name, "median_step_ms": 1000 * med, "tokens_per_sec": tps,
+            "mfu": tps * rep["flops_per_token"] / rep["peak_flops"], "memory_gib": rep["memory_gib"],
+            "compile_s": max(0.0, first - med), "kernels": rep["kernels"], "last_loss": rep["last_loss"],
+            "peak_source": rep["peak_source"], "step_ms_all": [1000 * t for t in times]}
+
+
 def write_reports(rows, a, base_name) -> None:
-    head = ("| setting | median step (ms) | tokens/s | MFU | peak mem (GiB) | compile (s) | kernels | "
-            f"vs {base_name} |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+    _write_json(rows, a)
+    head = ("| setting | median step (ms) | tokens/s | MFU | peak mem (GiB) | compile (s) | kernels | last loss | "
+            f"vs {base_name} |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     body = "".join(f"| {r['setting']} | {r['median_step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | {100 * r['mfu']:.1f}% | "
-                   f"{r['memory_gib']:.2f} | {r['compile_s']:.1f} | {r['kernels']} | {r['speedup']:.2f}x |\n"
-                   for r in rows)
+                   f"{r['memory_gib']:.2f} | {r['compile_s']:.1f} | {r['kernels']} | {r['last_loss']:.4f} | "
+                   f"{r['speedup']:.2f}x |\n" for r in rows)
     md = (f"`python tools/bench.py --config {a.config} --compile {a.compile} --ac {a.ac} --float8 {a.float8} "
           f"--precision {a.precision}{' --batch ' + a.batch if a.batch else ''} --steps {a.steps} "
           f"--repeats {a.repeats}`\n\n{head}{body}\nMFU against {rows[0]['peak_source']}.\n")
     with open(os.path.join(a.out, "bench.md"), "w") as fh:
         fh.write(md)
-    with open(os.path.join(a.out, "bench.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
     print(md)
     try:
         import matplotlib

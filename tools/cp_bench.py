@@ -45,13 +45,16 @@ class DenseAllGather:
     def __call__(self, q, k, v):
         import torch
         import torch.nn.functional as F
-        from torch.distributed._functional_collectives import all_gather_single_autograd
+        import torch.distributed._functional_collectives as funcol
         from torchmeg.parallel.context import positions
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
+        # all_gather_single_autograd from torch 2.12; all_gather_tensor_autograd, its older name, before
+        gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+
         def gather(x):
-            return all_gather_single_autograd(x.permute(2, 0, 1, 3).contiguous(), 0, self.group).permute(1, 2, 0, 3)
+            return gather_autograd(x.permute(2, 0, 1, 3).contiguous(), 0, self.group).permute(1, 2, 0, 3)
         L = q.shape[2]
         k_all, v_all = gather(k), gather(v)
         q_pos = positions(L, self.rank, self.size, q.device)

@@ -162,7 +162,7 @@ def engine_runner(args, rest):
     from torchmeg.serving import cli
     from torchmeg.batching.engine import Engine
     from torchmeg.batching.scheduler import Job
-    a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest)
+    a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest, http=False)
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     max_len = a.max_model_len or a.limit
 

@@ -56,8 +56,10 @@ def row_streams(prompts: list[list[int]], sample_index: int = 0) -> torch.Tensor
     return torch.tensor(keys, dtype=torch.int64)
 
 
-def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step: int) -> torch.Tensor:
-    """The next token of every row, [B] int64."""
+def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, seeds: list[int] | None = None
+           ) -> torch.Tensor:
+    """The next token of every row, [B] int64. `seeds`: one per row instead of s.seed (requests that
+    differ only in their seed, sampled in one call, each row drawing what its seed alone draws)."""
     logits = logits_BV.float()
     if s.temperature == 0:
         return logits.argmax(-1)
@@ -72,7 +74,7 @@ def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step: 
         drop = p_sorted.cumsum(-1) - p_sorted >= s.top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, p_sorted.masked_fill(drop, 0.0))
     cdf = probs.double().cumsum(-1)
-    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed).to(logits.device)
+    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed if seeds is None else seeds).to(logits.device)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 

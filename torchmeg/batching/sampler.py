@@ -5,6 +5,8 @@ torchmeg.batching.generation's (prompt tokens, sample index, step), so a request
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from torchmeg.batching.generation import Sampling, sample
@@ -12,25 +14,38 @@ from torchmeg.batching.scheduler import Job
 
 
 def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-    """The next token of each row [N, V] for jobs[i]. One host read."""
+    """The next token of each row [N, V] for jobs[i]. One host read. Rows whose sampling differs only
+    in its seed (unseeded requests each draw one) share one call, each row with its own seed."""
     nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
     penalized = [i for i, j in enumerate(jobs) if (j.presence or j.frequency) and j.tokens]
     if penalized:  # OpenAI's: logit -= frequency * count + presence * (count > 0), over the tokens generated
         logits = logits.clone()
         for i in penalized:
-            j, ids = jobs[i], torch.tensor(jobs[i].tokens, device=logits.device)
-            counts = torch.zeros(logits.shape[-1], device=logits.device).index_add_(
-                0, ids, torch.ones(len(j.tokens), device=logits.device))
-            logits[i] -= j.frequency * counts + j.presence * (counts > 0).float()
+            counts = penalty_counts(jobs[i], logits.shape[-1], logits.device)
+            logits[i] -= jobs[i].frequency * counts + jobs[i].presence * (counts > 0).float()
     groups: dict[Sampling, list[int]] = {}
     for i, job in enumerate(jobs):
-        groups.setdefault(job.sampling, []).append(i)
+        groups.setdefault(dataclasses.replace(job.sampling, seed=0), []).append(i)
     for s, idx in groups.items():
         rows = torch.tensor(idx, device=logits.device)
         streams = torch.tensor([jobs[i].stream for i in idx], dtype=torch.long)
         steps = torch.tensor([len(jobs[i].tokens) for i in idx], dtype=torch.long)
-        nxt[rows] = sample(logits[rows], s, streams, steps)
+        nxt[rows] = sample(logits[rows], s, streams, steps, seeds=[jobs[i].sampling.seed for i in idx])
     return nxt.tolist()
+
+
+def penalty_counts(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs among the job's generated tokens, [vocab] on the device: kept on the
+    job and updated with the tokens generated since the last step (one or a few a step), not rebuilt
+    from the whole list each step."""
+    counts = job.penalty_counts
+    if counts is None or counts.device != device or counts.shape[0] != vocab or job.penalty_counted > len(job.tokens):
+        counts, job.penalty_counted = torch.zeros(vocab, device=device), 0
+    new = job.tokens[job.penalty_counted:]
+    if new:
+        counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), device=device))
+    job.penalty_counts, job.penalty_counted = counts, len(job.tokens)
+    return counts
 
 
 def token_logprobs(logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:

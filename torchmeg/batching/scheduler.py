@@ -57,6 +57,8 @@ class Job:
     cancelled: bool = False
     presence: float = 0.0        # OpenAI's presence / frequency penalties on the tokens generated so far
     frequency: float = 0.0
+    penalty_counts: object = None  # (batching.sampler) their counts on the device, of the first
+    penalty_counted: int = 0       # this-many generated tokens
     logprobs: int = -1           # >= 0: each token's log-probability and the top this-many (-1: none)
     prompt_logprobs: bool = False  # the prompt's tokens' too (echo), with the same top count
     processed_logprobs: bool = False  # log-probs of the logits / temperature (what is sampled from; RL rollouts)

@@ -27,6 +27,8 @@ which SDPA does not.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -88,10 +90,13 @@ class SlotCache:
         if max(lengths) > self.max_len:
             raise ValueError(f"slot cache of {self.max_len} positions is full ({max(lengths)} needed)")
         dev, T = self.device, sum(lengths)
+        # the spans from the lengths the host has; the device's tensors sized by it (output_size): no
+        # value is read back from the device (on CUDA each read would wait for the queue)
+        ends = list(itertools.accumulate(lengths))
+        self.spans = [(e - n, e) for e, n in zip(ends, lengths)]
         lens = torch.tensor(lengths, device=dev)
-        starts = lens.cumsum(0) - lens
-        self.spans = list(zip(starts.tolist(), (starts + lens).tolist()))
-        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lens)
+        starts = torch.tensor([a for a, _ in self.spans], device=dev)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lens, output_size=T)
         positions = torch.arange(T, device=dev) - starts[doc]
         self.rows = torch.tensor(slots, dtype=torch.long, device=dev)[doc][None]
         self.per_row = self._decode = False

@@ -32,6 +32,13 @@ MX_RECIPES = ("mxfp8", "mxfp8_wgrad_with_hp")
 BLOCK = 32
 
 
+def torch_has_mx_training() -> bool:
+    """Whether this torch has what torchao's MXFP8 training asks of DTensor (its own check, in
+    torchao.prototype.moe_training.conversion_utils): torch 2.13 and 2.14.1 have it, 2.11 does not."""
+    from torch.distributed.tensor import _dispatch, _ops  # lazy: DTensor's internals, read only here
+    return hasattr(_ops, "scaled_mm_single_dim_strategy") and hasattr(_dispatch, "is_pinned_handler")
+
+
 def hardware_has_mxfp8(device_type: str) -> bool:
     if device_type != "cuda" or not torch.cuda.is_available():
         return False

@@ -163,9 +163,11 @@ class CollectiveTimeouts:
 
     def _apply(self, seconds: float, every: bool = False) -> None:
         td = datetime.timedelta(seconds=seconds)
+        # torch.distributed.set_timeout from torch 2.14 on; _set_pg_timeout, its older name (deprecated there)
+        set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
         for group in list(dist.distributed_c10d._world.pg_map):  # torch has no public list of groups
             if every or all(group is not g for g in self.keep_long):
-                dist.distributed_c10d._set_pg_timeout(td, group)
+                set_timeout(td, group)
 
 
 class StopFlag:

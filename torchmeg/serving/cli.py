@@ -67,7 +67,9 @@ def parse(argv: list[str]):
     return ap.parse_known_args(argv)
 
 
-def prepare(argv: list[str]):
+def prepare(argv: list[str], http: bool = True):
+    """-> (args, cfg, layout, chat template, its error). `http` False: the engine alone, in this
+    process (tools/serve_bench.py --engine), which needs none of the HTTP server's packages."""
     a, rest = parse(argv)
     cfg = load_config(a.config, rest)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,7 +83,7 @@ def prepare(argv: list[str]):
             raise ConfigError(f"{flag} {v}: must be >= {lo}")
     if a.max_model_len > limit:
         raise ConfigError(f"--max-model-len {a.max_model_len}: beyond the model's max_seq_len {limit}; lower it")
-    for module in ("fastapi", "uvicorn", "prometheus_client"):  # before any weight is read
+    for module in ("fastapi", "uvicorn", "prometheus_client") if http else ():  # before any weight is read
         need(module, "serve", "python -m torchmeg.serve")
     try:
         template, template_error = chat_template(cfg), ""

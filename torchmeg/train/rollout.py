@@ -39,13 +39,14 @@ class Rollout:
 @contextlib.contextmanager
 def gathered_weights(model):
     """FSDP2: every FSDPModule's parameters unsharded for the block, resharded after; the modules'
-    reshard-after-forward setting restored (FSDP's own state: torch 2.13's FSDPState)."""
+    reshard-after-forward setting restored (FSDP's own state: FSDPState, whose parameter groups are a
+    list from torch 2.12 on, one optional group before)."""
     mods = fsdp_modules(model)
     saved = []
     for m in mods:
         state = m._get_fsdp_state()
         saved.append((state, state._auto_reshard_after_forward,
-                      [g.post_forward_mesh_info for g in state._fsdp_param_groups]))
+                      [g.post_forward_mesh_info for g in _param_groups(state)]))
         m.set_reshard_after_forward(False, recurse=False)
     for m in mods:
         m.unshard()
@@ -56,8 +57,17 @@ def gathered_weights(model):
             m.reshard()
         for state, auto, infos in saved:
             state._auto_reshard_after_forward = auto
-            for g, info in zip(state._fsdp_param_groups, infos):
+            for g, info in zip(_param_groups(state), infos):
                 g.post_forward_mesh_info = info
+
+
+def _param_groups(state) -> list:
+    """FSDPState's parameter groups: `_fsdp_param_groups` (torch 2.12 on) or the one optional
+    `_fsdp_param_group` before it."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return state._fsdp_param_groups
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 @torch.no_grad()

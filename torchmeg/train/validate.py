@@ -12,6 +12,8 @@ import dataclasses
 
 import os
 
+import torch
+
 from torchmeg.config.schema import Config
 from torchmeg.config.checks import check_recipe
 from torchmeg.data.sources import check_data_config
@@ -27,7 +29,8 @@ from torchmeg.models.attention import check_document_masking
 from torchmeg.models.spec import get_spec
 from torchmeg.parallel import context, expert, pipeline
 from torchmeg.parallel.dims import ParallelDims
-from torchmeg.parallel.mxfp8 import MX_RECIPES
+from torchmeg.parallel.mxfp8 import MX_RECIPES, torch_has_mx_training
+from torchmeg.runtime.torch_versions import check_torch_version
 from torchmeg.train.dpo import LOSS_TYPES, loss_terms
 from torchmeg.train.rewards import load_reward_funcs
 
@@ -77,7 +80,8 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     layout = _layout(cfg, world_size, dims, spec, args)
     _check_grpo(cfg, layout, data)
     _check_mxfp8(cfg, layout)
-    if data:
+    if data:  # (a plan is of the program a cluster's torch runs: planning on any torch in the range)
+        check_torch_version(cfg, args, dims)
         check_data_config(cfg)
         if cfg.checkpoint.enable:
             check_folder(cfg)
@@ -150,6 +154,10 @@ def _check_mxfp8(cfg, layout: Layout) -> None:
     must fill whole blocks."""
     if not (cfg.float8.enable and cfg.float8.recipe in MX_RECIPES):
         return
+    if not torch_has_mx_training():
+        raise ConfigError(f"float8.recipe = {cfg.float8.recipe!r}: torchao's MXFP8 training needs DTensor features this "
+                          f"torch {torch.__version__} lacks (torch 2.13 and 2.14 have them): install torch>=2.13, or use "
+                          f"float8.recipe = 'tensorwise' / 'rowwise'")
     rows = layout.local_batch * layout.accum // layout.microbatches if layout.stages else layout.local_batch
     tokens = rows * layout.rows_per_sample * layout.seq_len // layout.dims.cp
     if tokens % 32:
