@@ -45,15 +45,19 @@ from dataclasses import dataclass
 from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-from gpu_check_report import environment, markdown  # noqa: E402  (tools/, put on the path above)
+sys.path[:0] = [os.path.join(ROOT, "tools"), ROOT]
+from gpu_check_report import environment, markdown  # noqa: E402  (tools/ and the root, put on the path above)
+from torchmeg.plan.gpus import key_for_device  # noqa: E402
 
 RECIPE = ["--config", "recipes/debug_llama.toml"]
 MODEL_GPU = ["--model.flavor=1B", "--data.seq_len=2048", "--training.local_batch_size=4",
              "--data.document_masking=false", "--training.device=cuda"]
 MODEL_CPU = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
              "--data.seq_len=64", "--training.local_batch_size=2", "--training.device=cpu", "--float8.emulate=true"]
-GPU_KEYS = {"H100": "h100", "H200": "h200", "B200": "b200", "A100": "a100"}  # the planner's table (plan.gpus)
+# the two bench steps' settings, as tools/bench.py takes them (its settings_from names the rows)
+BENCH = {"compile_vs_eager": lambda cpu: dict(compile="off,on", ac="none,full", float8="off"),
+         # float8's speed is the compiled program's (torchao's casts fuse there); on the CPU emulated, eager
+         "float8": lambda cpu: dict(compile="off" if cpu else "on", ac="none", float8="off,tensorwise,rowwise")}
 
 
 @dataclass
@@ -104,10 +108,11 @@ class Check:
         return out
 
 
-def bench(check: Check, name: str, settings: list[str], timeout: float) -> dict:
+def bench(check: Check, name: str, timeout: float) -> dict:
     out = os.path.join(check.work, name)
     steps = ["--steps", "1", "--warmup", "0", "--repeats", "1"] if check.cpu else \
             ["--steps", "8", "--warmup", "3", "--repeats", "2"]
+    settings = [x for key, value in BENCH[name](check.cpu).items() for x in (f"--{key}", value)]
     path, partial = os.path.join(out, "bench.json"), {}
     try:
         check.sh([sys.executable, "tools/bench.py", *RECIPE, "--one-at-a-time", "--precision", check.precision, *steps,
@@ -123,13 +128,11 @@ def bench(check: Check, name: str, settings: list[str], timeout: float) -> dict:
 
 
 def compile_vs_eager(check: Check, timeout: float) -> dict:
-    return bench(check, "compile_vs_eager", ["--compile", "off,on", "--ac", "none,full"], timeout)
+    return bench(check, "compile_vs_eager", timeout)
 
 
 def float8(check: Check, timeout: float) -> dict:
-    # float8's speed is the compiled program's (torchao's casts fuse there); on the CPU, emulated and eager
-    return bench(check, "float8", ["--compile", "off" if check.cpu else "on", "--float8", "off,tensorwise,rowwise"],
-                 timeout)
+    return bench(check, "float8", timeout)
 
 
 def kernels(what: str):
@@ -159,19 +162,15 @@ def serving(check: Check, timeout: float) -> dict:
 
 
 def plan_settings(check: Check) -> dict[str, list[str]]:
-    """The bench settings the planner predicts, by the name tools/bench.py gives each row."""
+    """The bench steps' settings the planner predicts: tools/bench.py's own names and overrides, so a
+    plan meets its measured row by name (float8's bf16 baseline is a compile_vs_eager row again)."""
+    from bench import settings_from  # lazy: tools/bench.py, beside this file
     out = {}
-    for comp in ("off", "on"):
-        for ac in ("none", "full"):
-            out[("compiled" if comp == "on" else "eager") + (f" ac={ac}" if ac != "none" else "")] = \
-                [f"--compile.enable={'true' if comp == 'on' else 'false'}", f"--activation_checkpoint.mode={ac}"]
-    f8_compile = "false" if check.cpu else "true"
-    for recipe in ("tensorwise", "rowwise"):
-        out[("eager" if check.cpu else "compiled") + f" float8 {recipe}"] = [
-            f"--compile.enable={f8_compile}", "--float8.enable=true", f"--float8.recipe={recipe}"]
+    for name in BENCH:
+        out.update(settings_from(argparse.Namespace(**BENCH[name](check.cpu), precision=check.precision, batch="")))
     if check.cpu:  # toy size: two settings show the plumbing
         out = dict(list(out.items())[:1] + list(out.items())[-1:])
-    return {k: v + ([] if check.cpu else [f"--training.mixed_precision={check.precision}"]) for k, v in out.items()}
+    return out
 
 
 def start_planner(check: Check, gpu: str) -> None:
@@ -289,7 +288,7 @@ def main(argv=None) -> int:
           f"torchdata {env['torchdata']}", flush=True)
     steps = [s for s in STEPS if not only or s.name in only]
     if any(s.name == "planner" for s in steps):
-        gpu = "h100" if a.cpu else next((v for k, v in GPU_KEYS.items() if k in env["device"]), None)
+        gpu = "h100" if a.cpu else key_for_device(env["device"])
         if gpu is None:
             steps = [s for s in steps if s.name != "planner"]
             print(f"[gpu_check] planner: {env['device']} is not in the planner's GPU table; skipped", flush=True)

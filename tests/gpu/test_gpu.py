@@ -229,9 +229,6 @@ def test_nccl_failure_on_one_rank_ends_the_job_in_seconds(tmp_path):
     assert "injected failure at step 3 on rank 1" in p.stderr
 
 
-GPU_KEYS = {"H100": "h100", "H200": "h200", "B200": "b200", "A100": "a100"}
-
-
 @pytest.mark.parametrize("name, extra", [
     ("debug", ["--training.mixed_precision=bf16"]),
     ("1B", ["--model.flavor=1B", "--data.seq_len=2048", "--training.local_batch_size=4",
@@ -241,7 +238,8 @@ def test_planner_step_time_against_a_real_run(name, extra, tmp_path):
     """The planner's predicted step time against the measured median step of a real run on this GPU,
     within 1.5x either way (a plan off by more than that cannot size a cluster); the ratio is
     printed for the README."""
-    key = next((v for k, v in GPU_KEYS.items() if k in torch.cuda.get_device_name()), None)
+    from torchmeg.plan.gpus import key_for_device
+    key = key_for_device(torch.cuda.get_device_name())
     if key is None:
         pytest.skip(f"{torch.cuda.get_device_name()}: not in the planner's GPU table")
     args = RECIPE + extra + ["--training.steps=30", "--metrics.log_freq=1", "--validation.enable=false",

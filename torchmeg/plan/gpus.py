@@ -50,3 +50,9 @@ GPUS = {
                 efficiency=EFFICIENCY["b200"]),
     "a100": GPU("A100 SXM4 80GB", 312e12, 0.0, 80 * GB, 2.04e12, 300 * GB, 25 * GB, efficiency=EFFICIENCY["a100"]),
 }
+
+
+def key_for_device(device_name: str) -> str | None:
+    """The GPUS key for a CUDA device's name (torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" ->
+    "h100"); None for a device the table does not hold."""
+    return next((key for key in ("h100", "h200", "b200", "a100") if key.upper() in device_name), None)
