@@ -368,12 +368,22 @@ def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def debug_run(tmp_path_factory):
+def debug_run(tmp_path_factory, worker_id):
     """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end: the
-    trained model generation, evaluation and serving are tested on (job name "debug")."""
-    d = tmp_path_factory.mktemp("debug_run")
-    run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
-             "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug", timeout=240)
+    trained model generation, evaluation and serving are tested on (job name "debug"). Trained once
+    per test run: under pytest-xdist in the folder the workers share (this run's temp root), the first
+    worker to ask trains it while a file lock holds the other back (~35 s of a worker saved when
+    test_generate and test_serve land on different workers); the tests only read it."""
+    from filelock import FileLock  # lazy: torch's own dependency, needed only by this fixture
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if worker_id != "master" else base) / "debug_run"
+    with FileLock(str(d) + ".lock"):
+        if not (d / "trained").exists():
+            shutil.rmtree(d, ignore_errors=True)
+            run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
+                     "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug",
+                    timeout=240)
+            (d / "trained").touch()
     return d
 
 

@@ -58,6 +58,10 @@ class ChatDataError(ValueError):
     """A record that cannot be rendered or trained on; the message names the file and the record."""
 
 
+class NoChatTemplate(ChatDataError):
+    """A tokenizer folder without a chat template (a base model's): fine where none is needed."""
+
+
 _TRACKED = contextvars.ContextVar("torchmeg_generation_spans", default=None)
 
 
@@ -185,7 +189,7 @@ class ChatTemplate:
         if isinstance(source, list):  # named templates: the default one
             source = {t.get("name"): t.get("template") for t in source}.get("default")
         if not isinstance(source, str):
-            raise ChatDataError(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
+            raise NoChatTemplate(f"{folder}: no chat template (neither chat_template.jinja nor a chat_template in "
                                 f"tokenizer_config.json); set data.chat_template to one of {sorted(BUILTIN_TEMPLATES)}")
         return cls(source, special, config_path)
 
@@ -324,8 +328,10 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
     return ids, mask
 
 
-def chat_template(cfg) -> ChatTemplate:
-    """The recipe's chat template: data.chat_template, else the tokenizer folder's own."""
+def chat_template(cfg, required: bool = True) -> ChatTemplate | None:
+    """The recipe's chat template: data.chat_template, else the tokenizer folder's own; with
+    `required = False`, None where neither names one (a base model's folder: GRPO's standard prompts
+    need none, as TRL renders none for them)."""
     d = cfg.data
     spec = d.chat_template or (d.tokenizer if d.tokenizer != "byte" else "")
     if not spec:
@@ -333,5 +339,9 @@ def chat_template(cfg) -> ChatTemplate:
                           "built-in one (chatml, llama3), a tokenizer folder or a .jinja file")
     try:
         return ChatTemplate.load(spec)
+    except NoChatTemplate as e:
+        if not required and not d.chat_template:
+            return None
+        raise ConfigError(f"data.chat_template: {e}") from None
     except ChatDataError as e:
         raise ConfigError(f"data.chat_template: {e}") from None

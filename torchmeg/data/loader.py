@@ -39,10 +39,11 @@ def open_chat(cfg, tokenizer):
 
 def open_prompts(cfg, tokenizer):
     """training.objective = "grpo": the prompts (torchmeg.data.prompts), with the chat template when the
-    recipe names one (or the tokenizer folder has one) -> (PromptSet, template or None)."""
+    recipe names one (or the tokenizer folder has one; a folder without one: None, and a conversational
+    record is then refused in one line) -> (PromptSet, template or None)."""
     d, g = cfg.data, cfg.grpo
     with _chat_data_errors():
-        template = chat_template(cfg) if d.chat_template or d.tokenizer != "byte" else None
+        template = chat_template(cfg, required=False) if d.chat_template or d.tokenizer != "byte" else None
         return PromptSet(dataset_list(cfg), tokenizer, template, g.max_prompt_length, d.seq_len,
                          g.max_completion_length, cfg.job.seed), template
 

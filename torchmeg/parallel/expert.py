@@ -34,7 +34,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.hf_causal import is_hf_experts
 from torchmeg.models import moe as moe_model  # (moe_model.expert_counts: the planner answers it on fake tensors)
-from torchmeg.models.moe import expert_ffn, grouped_ffn, grouped_mm_takes, is_grouped_experts
+from torchmeg.models.experts import EXPERT_WEIGHTS, expert_ffn, expert_weights, grouped_ffn, grouped_mm_takes
+from torchmeg.models.moe import is_grouped_experts
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ class AllToAllDispatch:
         if is_hf_experts(experts):
             y = _hf_local_ffn(experts, x_sorted, per_expert)
         else:
-            w = moe_model.expert_weights(experts, _local)
+            w = expert_weights(experts, _local)
             if grouped_mm_takes(x_sorted, w.w1) and grouped_mm_takes(x_sorted, w.w2):
                 y = grouped_ffn(w, x_sorted, recv_counts.view(ep, El).sum(0))
             else:
@@ -133,7 +134,7 @@ class CapacityDispatch(AllToAllDispatch):
             h = experts._apply_gate(torch._grouped_mm(x_sorted, w[0].transpose(-2, -1), offs=offs))
             y = torch._grouped_mm(h, w[1].transpose(-2, -1), offs=offs)
         else:
-            w = moe_model.expert_weights(experts, _local)
+            w = expert_weights(experts, _local)
             if not (grouped_mm_takes(x_sorted, w.w1) and grouped_mm_takes(x_sorted, w.w2)):
                 raise ConfigError(f"parallelism.expert_capacity_factor = {self.factor}: needs grouped matmuls, not "
                                   f"there for {x_sorted.dtype} here (bf16 on CUDA sm90+, which the planner assumes; "
@@ -149,7 +150,7 @@ def apply_ep(model: nn.Module, ep_mesh, capacity_factor: float = 0.0) -> list[nn
     params = []
     for m in model.modules():
         if is_grouped_experts(m):
-            names, n = [k for k in moe_model.EXPERT_WEIGHTS if getattr(m, k, None) is not None], m.n_experts
+            names, n = [k for k in EXPERT_WEIGHTS if getattr(m, k, None) is not None], m.n_experts
         elif is_hf_experts(m):
             _check_hf_layout(m)
             names, n = ("gate_up_proj", "down_proj"), m.num_experts
