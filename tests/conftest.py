@@ -368,7 +368,7 @@ def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def debug_run(tmp_path_factory, worker_id):
+def debug_run(tmp_path_factory):
     """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end: the
     trained model generation, evaluation and serving are tested on (job name "debug"). Trained once
     per test run: under pytest-xdist in the folder the workers share (this run's temp root), the first
@@ -376,7 +376,7 @@ def debug_run(tmp_path_factory, worker_id):
     test_generate and test_serve land on different workers); the tests only read it."""
     from filelock import FileLock  # lazy: torch's own dependency, needed only by this fixture
     base = tmp_path_factory.getbasetemp()
-    d = (base.parent if worker_id != "master" else base) / "debug_run"
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "debug_run"  # (xdist or not)
     with FileLock(str(d) + ".lock"):
         if not (d / "trained").exists():
             shutil.rmtree(d, ignore_errors=True)
