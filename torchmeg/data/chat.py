@@ -335,13 +335,13 @@ def chat_template(cfg, required: bool = True) -> ChatTemplate | None:
     d = cfg.data
     spec = d.chat_template or (d.tokenizer if d.tokenizer != "byte" else "")
     if not spec:
+        if not required:
+            return None
         raise ConfigError("data.chat_template = \"\": the byte tokenizer has no chat template of its own; name a "
                           "built-in one (chatml, llama3), a tokenizer folder or a .jinja file")
     try:
         return ChatTemplate.load(spec)
-    except NoChatTemplate as e:
-        if not required and not d.chat_template:
-            return None
-        raise ConfigError(f"data.chat_template: {e}") from None
     except ChatDataError as e:
+        if isinstance(e, NoChatTemplate) and not required and not d.chat_template:
+            return None
         raise ConfigError(f"data.chat_template: {e}") from None

@@ -43,7 +43,7 @@ def open_prompts(cfg, tokenizer):
     record is then refused in one line) -> (PromptSet, template or None)."""
     d, g = cfg.data, cfg.grpo
     with _chat_data_errors():
-        template = chat_template(cfg, required=False) if d.chat_template or d.tokenizer != "byte" else None
+        template = chat_template(cfg, required=False)
         return PromptSet(dataset_list(cfg), tokenizer, template, g.max_prompt_length, d.seq_len,
                          g.max_completion_length, cfg.job.seed), template
 

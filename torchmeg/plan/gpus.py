@@ -54,5 +54,6 @@ GPUS = {
 
 def key_for_device(device_name: str) -> str | None:
     """The GPUS key for a CUDA device's name (torch.cuda.get_device_name(): "NVIDIA H100 80GB HBM3" ->
-    "h100"); None for a device the table does not hold."""
+    "h100"); None for a device the table does not hold. h100-500w is left out: its device name is an
+    H100's, so a plan for it is asked for by name."""
     return next((key for key in ("h100", "h200", "b200", "a100") if key.upper() in device_name), None)
