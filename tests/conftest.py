@@ -215,6 +215,23 @@ def _launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: int) -> subpro
     return subprocess.CompletedProcess(cmd, rc, text[0][0], "\n".join(e for _, e in text))
 
 
+def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tuple[dict, list[dict]]:
+    """`python -m torchmeg.plan --world W COMMON` planned while the same recipe runs for real on W gloo
+    ranks (`plan --measure`, step 2 under the planner's trackers) -> (the plan's JSON, the measured
+    JSON of each rank in `ranks`, by default of each rank the plan lists)."""
+    planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", str(world), "--json",
+                                str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
+                        world, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
+    _, err = planner.communicate(timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert planner.returncode == 0, err[-3000:]
+    plan = json.load(open(tmp_path / "plan.json"))
+    ranks = [r["rank"] for r in plan["ranks"]] if ranks is None else ranks
+    return plan, [json.load(open(tmp_path / f"m.rank{r}")) for r in ranks]
+
+
 def _run_one(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
     """One process, as subprocess.run(capture_output=True, timeout=...) would."""
     logs = tempfile.mkdtemp(prefix="torchmeg-run-")

@@ -56,6 +56,21 @@ def test_lora_layout_matches_one_process(name, tmp_path, lora_reference):
 
 
 @pytest.mark.slow
+def test_lora_dropout_under_tp2_draws_one_processs_masks(tmp_path, lora_reference):
+    """lora.dropout = 0.1 on every Linear: TP 2 = one process, step by step (the row-parallel bases'
+    adapters see their input's columns; their noise is drawn whole and sliced, parallel.lora_dropout:
+    drawn on the shard as before, 3.0e-2 off at step 1's grad norm), and dropout ran (the losses move
+    away from the run without it)."""
+    args = LORA + ["--training.local_batch_size=8", "--lora.dropout=0.1"]
+    run_cli(args, tmp_path, name="one")
+    run_cli(args + LAYOUTS["tp2"][2], tmp_path, nproc=2, name="tp2")
+    one = read_metrics(tmp_path, "one")
+    assert_parity(one, read_metrics(tmp_path, "tp2"))
+    moved = [abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(one, lora_reference)]
+    assert max(moved) > 1e-3, moved
+
+
+@pytest.mark.slow
 def test_lora_compiled_and_in_bf16(tmp_path, lora_reference):
     """Compiled blocks with adapters = eager (1e-4: compiled kernels fuse and reorder floating-point
     work, tests/test_compiler.py's bound); bf16 under FSDP2: every matmul, the adapters' included, in

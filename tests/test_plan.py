@@ -7,13 +7,12 @@ its step 2 measured by the same trackers.
 import glob
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import ROOT, _launch_ranks, _run_one
+from conftest import ROOT, _run_one, plan_and_measure
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 
@@ -56,19 +55,9 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     # without the data counts as one document per window, an upper bound; FLOPs must match here)
     common = ["--config", RECIPE, f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false",
               "--data.document_masking=false"] + extra
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", str(world), "--json",
-                                str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
-                        world, env, timeout=180)
-    _, err = planner.communicate(timeout=180)  # (planned while the real run ran)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert planner.returncode == 0, err[-3000:]
-    plan = json.load(open(tmp_path / "plan.json"))
+    plan, measured = plan_and_measure(common, world, tmp_path)  # (planned while the real run ran)
     assert len(plan["ranks"]) == (2 if name.startswith("pp2") else 1)
-    for r in plan["ranks"]:
-        m = json.load(open(tmp_path / f"m.rank{r['rank']}"))
+    for r, m in zip(plan["ranks"], measured):
         assert r["model_state_bytes"] == m["model_state_bytes"], (name, r["rank"])
         assert abs(r["activation_bytes"] - m["activation_bytes"]) <= 0.2 * m["activation_bytes"], \
             (name, r["rank"], r["activation_bytes"], m["activation_bytes"])
@@ -139,16 +128,8 @@ def test_plan_counts_expert_parallel_as_balanced_routing(tmp_path):
     common = ["--config", os.path.join(ROOT, "recipes", "moe_debug.toml"), f"--job.dump_folder={tmp_path}",
               "--metrics.enable_tensorboard=false", "--data.document_masking=false",
               "--parallelism.expert_parallel_degree=2"]
-    planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", "4", "--json",
-                                str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
-                        4, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
-    _, err = planner.communicate(timeout=180)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert planner.returncode == 0, err[-3000:]
-    plan = json.load(open(tmp_path / "plan.json"))["ranks"][0]
-    measured = [json.load(open(tmp_path / f"m.rank{r}")) for r in (0, 1)]
+    plan, measured = plan_and_measure(common, 4, tmp_path, ranks=(0, 1))
+    plan = plan["ranks"][0]
     assert plan["model_state_bytes"] == measured[0]["model_state_bytes"]
     assert plan["flops"] == sum(m["flops"] for m in measured) / 2
     assert measured[0]["flops"] != measured[1]["flops"]  # (the real routing was not balanced)

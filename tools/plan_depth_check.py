@@ -31,6 +31,8 @@ def numbers(p: dict) -> dict[str, float]:
         for k in ("peak_bytes", "param_bytes", "grad_bytes", "optimizer_bytes", "activation_bytes", "flops",
                   "model_state_bytes", "predicted_step_s"):
             out[f"rank {r['rank']} {k}"] = r[k]
+        if r.get("rollout_peak_bytes") is not None:  # (GRPO: its rollout's phases, scaled on their own)
+            out[f"rank {r['rank']} rollout_peak_bytes"] = r["rollout_peak_bytes"]
         for key, c in r["comm"].items():
             out[f"rank {r['rank']} {key} bytes"] = c["bytes"]
             out[f"rank {r['rank']} {key} count"] = c["count"]

@@ -14,6 +14,7 @@ applied by torchmeg.models.init from (seed, name) like every parameter).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from torchmeg.models.blocks import canonical_fqn, fqn_matches
@@ -23,12 +24,34 @@ ALL_LINEAR = "all-linear"
 _ROUTERS = ("router", "gate")  # MoE routers: Linear layers that all-linear leaves alone
 
 
+class InputDropout(nn.Module):
+    """The adapter's input dropout (PEFT's `lora_dropout`, an nn.Dropout) spelled out as ATen computes
+    it on a CPU (`_dropout_impl`: noise of x's shape drawn Bernoulli(1 - p) from the default generator,
+    divided by 1 - p, times x), bit for bit nn.Dropout's there, so that where x is a shard of a
+    tensor-parallel input the same noise can be drawn whole and this rank's part kept: the masks one
+    process draws (torchmeg.parallel.lora_dropout). (On CUDA nn.Dropout runs a fused kernel with
+    other draws: the same distribution, not the same numbers.)"""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def noise(self, shape, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(shape, dtype=like.dtype, device=like.device).bernoulli_(1 - self.p).div_(1 - self.p)
+
+    def forward(self, x):
+        return x * self.noise(x.shape, x) if self.training else x
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class LoRA(nn.Module):
     def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
         self.A = nn.Linear(in_features, rank, bias=False)
         self.B = nn.Linear(rank, out_features, bias=False)
-        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout = InputDropout(dropout) if dropout > 0 else nn.Identity()
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         self.enabled = True  # (adapters_off: the base model's forward)
 

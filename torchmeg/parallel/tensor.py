@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from torchmeg.parallel.expert import sum_over_shards
+from torchmeg.parallel.lora_dropout import draw_whole
 from torchmeg.parallel.float8 import is_float8_linear
 from torchmeg.parallel.vocab_embedding import VocabParallelEmbedding, takes_vocab_parallel
 from torchmeg.models import lora
@@ -276,7 +277,8 @@ def shard_adapters(model: nn.Module, tp_mesh, styles: dict) -> None:
     base's output before the style's output hook: a column-parallel base (output sharded by rows of W):
     A replicated, B sharded by its output rows; a row-parallel base (input sharded): A sharded by its
     input columns, its output a partial sum reduced with the base's, B replicated. A base TP leaves
-    whole keeps plain adapters."""
+    whole keeps plain adapters. Their dropout draws the whole input's noise and keeps this rank's
+    part (torchmeg.parallel.lora_dropout): the masks of one process."""
     for base, adapter in lora.adapters(model).items():
         style = styles.get(base)
         if style is None:
@@ -290,3 +292,4 @@ def shard_adapters(model: nn.Module, tp_mesh, styles: dict) -> None:
                              f"lora.target_modules")
         for linear, placement in zip((adapter.A, adapter.B), placements):
             linear.weight = nn.Parameter(distribute_tensor(linear.weight, tp_mesh, [placement]), requires_grad=True)
+        draw_whole(adapter)  # its dropout's masks: one process's (parallel.lora_dropout)

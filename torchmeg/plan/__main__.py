@@ -64,7 +64,8 @@ def render(p: dict) -> str:
     for r in p["ranks"]:
         if r.get("rollout_peak_bytes") is not None:
             lines.append(f"rank {r['rank']}: GRPO's rollout peaks at {_g(r['rollout_peak_bytes'])} GiB (every FSDP module "
-                         f"unsharded, the KV cache of its rows, their packed prefill; in the peak above when larger)")
+                         f"unsharded, the KV cache of its rows, their packed prefill; or the old policy's / reference's "
+                         f"log-prob forwards after it; in the peak above when larger)")
     for r in p["ranks"]:
         lines += ["", f"rank {r['rank']}: bytes per step by mesh dim / collective"
                   f"   (count, buffer GiB, sent per rank GiB, seconds at peak, predicted exposed seconds)"]

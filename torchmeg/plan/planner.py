@@ -16,6 +16,7 @@ from torchmeg.models.args import instantiate
 from torchmeg.models.count import active_params, count_params, flops_per_token
 from torchmeg.plan.dry_run import forget, prepare, run_jobs
 from torchmeg.plan.memory import activation_bytes
+from torchmeg.plan.post_training import rollout_peak_bytes
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.predict import predict
 from torchmeg.train.validate import validate
@@ -100,7 +101,7 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"),
             "traced_layers": r.get("traced_layers"),
             # GRPO: the rollout's own peak (torchmeg.plan.post_training); the peak above is the larger phase's
-            "rollout_peak_bytes": (r.get("memory_phases") or {}).get("rollout", {}).get("Total"), **pred})
+            "rollout_peak_bytes": rollout_peak_bytes(r.get("memory_phases") or {}), **pred})
     step = max(x["step_s"] for x in rows)
     pred = max(x["predicted_step_s"] for x in rows)
     whole = p.whole

@@ -7,10 +7,12 @@ GRPO (torchmeg.train.grpo, torchmeg.train.rollout):
   `models.lora.adapters_off`: nothing held);
 - the rollout before each step: every FSDP module unsharded (`rollout.gathered_weights`), the
   engine's slot KV cache for the rank's rows (global batch / data-parallel shares) at the longest
-  prompt plus the longest completion, and the packed prefill of every prompt at its longest
+  prompt plus the longest completion, and the packed prefill of each of the rank's prompts (one row
+  per group: the others copy its cached blocks, the engine's prefix caching) at its longest
   (`train.rollout.longest_prefill`: the engine's runner, one forward, the head on each prompt's last token): traced
-  on fake tensors as its own memory phase (`rollout`). Decode steps hold less than that prefill and
-  are not traced; the rollout's time is not in the plan's step time (its length depends on what the
+  on fake tensors as its own memory phase (`rollout`), followed by the old policy's and the
+  reference's no-grad log-prob forwards the trainer runs before the step (`grpo.extra_logps`). Decode
+  steps hold less than that prefill and are not traced; the rollout's time is not in the plan's step time (its length depends on what the
   model writes).
 DPO holds its reference as a table of log-probs, 16 bytes a pair (torchmeg.train.dpo): nothing beside
 the step. SFT holds nothing beside it.
@@ -20,8 +22,10 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from torchmeg.plan.memory import peak_bytes, step_memory
-from torchmeg.train.rollout import gathered_weights, longest_prefill
+from torchmeg.plan.memory import step_memory, take_peak
+from torchmeg.models.lora import adapters_off
+from torchmeg.train.grpo import extra_logps, swapped
+from torchmeg.train.rollout import gathered_weights, groups_on_a_rank, longest_prefill
 
 
 def reference_copy(cfg, model) -> list[torch.Tensor]:
@@ -32,18 +36,39 @@ def reference_copy(cfg, model) -> list[torch.Tensor]:
         return [p.detach().clone() for p in model.parameters()]
 
 
-def rollout_peak(cfg, layout, mesh, model, opt, reference: list[torch.Tensor]) -> dict[str, int]:
-    """The rollout phase's peak snapshot (MemTracker's categories) on this rank."""
+def rollout_phases(cfg, layout, mesh, model, opt, reference: list[torch.Tensor], ms, batch) -> dict[str, dict[str, int]]:
+    """GRPO's memory phases before the step on this rank (MemTracker's categories at each one's peak):
+    `rollout`, the engine's prefill; then, once its cache is freed, `rollout_logps` (only where the
+    loss reads them): the old policy's and the reference's no-grad log-prob forwards of one microbatch
+    `batch` (each microbatch's are alike), through the trainer's own code (grpo.extra_logps: the
+    reference swapped in over a copy of the trained values, or the adapters off under LoRA). Two
+    phases, not one: each scales with the depth on its own line (the engine holds every layer's
+    weights and cache, the forwards one block's weights at a time beside the copy), and the larger
+    is taken once scaled (torchmeg.plan.depth)."""
     g = cfg.grpo
-    rows = layout.global_batch // mesh["dp_cp"].size()
+    shares = mesh["dp_cp"].size()
+    rows, prompts = layout.global_batch // shares, groups_on_a_rank(layout.global_batch, shares, g.num_generations)
     mt = step_memory()
     mt.track_external(model, opt, *reference)
     was_training = model.training
     model.eval()
+    out = {}
     try:
-        with mt, torch.no_grad(), gathered_weights(model):
-            longest_prefill(model, "cpu", rows, g.max_prompt_length, g.max_prompt_length + g.max_completion_length,
-                            unset_fake_temporarily)
+        with mt:
+            with torch.no_grad(), gathered_weights(model):
+                longest_prefill(model, "cpu", rows, prompts, g.max_prompt_length,
+                                g.max_prompt_length + g.max_completion_length, unset_fake_temporarily)
+            out["rollout"] = take_peak(mt)  # (and the peak restarts from what is held now)
+            if g.num_iterations > 1 or g.beta != 0.0:
+                extra_logps(ms, [batch], g, (lambda: adapters_off(model)) if cfg.lora.enable else
+                            (lambda: swapped(model, reference)))
+                out["rollout_logps"] = take_peak(mt)
     finally:
         model.train(was_training)
-    return peak_bytes(mt)
+    return out
+
+
+def rollout_peak_bytes(phases: dict) -> int | None:
+    """The larger of the rollout's phases, in bytes (None: not GRPO)."""
+    totals = [phases[k].get("Total", 0) for k in ("rollout", "rollout_logps") if k in phases]
+    return max(totals) if totals else None

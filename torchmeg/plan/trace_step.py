@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import model_state_bytes
 from torchmeg.parallel.parallelize import program_for
-from torchmeg.plan.post_training import reference_copy, rollout_peak
+from torchmeg.plan.post_training import reference_copy, rollout_phases
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
@@ -152,7 +152,7 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
         m = track_step(lambda between: (step(between), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches,
                        phased=True, marks=marks, held=reference)
         if cfg.training.objective == "grpo":
-            m["memory_phases"]["rollout"] = rollout_peak(cfg, layout, mesh, model, opt, reference)
+            m["memory_phases"].update(rollout_phases(cfg, layout, mesh, model, opt, reference, ms, batches.batches[0]))
         return {"step": m, "state": state, "reports": {0: dict(model.torchmeg_report)}}
 
 

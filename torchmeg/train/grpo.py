@@ -69,8 +69,9 @@ class GRPOBatches:
         self._served = 0
         self.window: list[dict] = []  # the rollouts' metrics since the last logged step
         self.log_path = os.path.join(cfg.run_dir, "completions.jsonl") if g.log_completions else None
-        # how the reference's forward runs (beta > 0), and the header's line on it
-        self.as_reference, self.note = reference_weights(trainer)
+        # how the reference's forward runs (beta > 0), the header's line on it, and the copy of the
+        # reference's weights the run holds (none under LoRA or at beta 0: what `plan --measure` counts)
+        self.as_reference, self.note, self.reference_held = reference_weights(trainer)
 
     def __iter__(self):
         return self
@@ -112,7 +113,7 @@ class GRPOBatches:
         lengths, truncated = every[:, -2], every[:, -1].bool()
         kept = torch.where(truncated, 0.0, lengths) if g.mask_truncated_completions else lengths
         t.step_fn.loss_fn.token_scale = self.shares * t.layout.accum / max(float(kept.sum()), 1.0)
-        self._extra_logps()
+        extra_logps(t.step_fn, self.micro, g, self.as_reference)  # (old policy's, reference's)
         for m in t.moe_layers:  # routing during the rollouts and the extra forwards is not training load
             m.tokens_per_expert.zero_()
         self.window.append(self._metrics(every, summed, zero_std, lengths, truncated, timing))
@@ -151,25 +152,6 @@ class GRPOBatches:
             out.append((inputs[s], labels[s], RolloutRows(adv[s].float().to(self.t.device),
                                                           sampling[s].to(self.t.device))))
         return out
-
-    @torch.no_grad()
-    def _extra_logps(self) -> None:
-        """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0)."""
-        ms, g = self.t.step_fn, self.g
-        if g.num_iterations > 1:
-            for b in self.micro:
-                b[2].old = self._logps(ms, b)
-        if g.beta != 0.0:
-            with self.as_reference():
-                for b in self.micro:
-                    b[2].ref = self._logps(ms, b)
-
-    def _logps(self, ms, batch) -> torch.Tensor:
-        was = ms.model.training
-        ms.model.eval()
-        logits = ms.model(ms.local(batch[0]))
-        ms.model.train(was)
-        return token_logps(logits, ms.local(batch[1]), self.g.temperature)
 
     def window_metrics(self) -> dict:
         """The rollouts' metrics over the steps since the last logged one (TRL logs its means over the
@@ -222,6 +204,28 @@ class GRPOBatches:
                                      "rewards": {n: every[i, j].item() for j, (n, _) in enumerate(self.funcs)}}) + "\n")
 
 
+@torch.no_grad()
+def extra_logps(ms, micro: list, g, as_reference) -> None:
+    """The old policy's log-probs (num_iterations > 1) and the reference's (beta > 0) of each
+    microbatch's rows, before the step (also what the planner traces: torchmeg.plan.post_training)."""
+    if g.num_iterations > 1:
+        for b in micro:
+            b[2].old = policy_logps(ms, b, g.temperature)
+    if g.beta != 0.0:
+        with as_reference():
+            for b in micro:
+                b[2].ref = policy_logps(ms, b, g.temperature)
+
+
+def policy_logps(ms, batch, temperature: float) -> torch.Tensor:
+    """Each label's log-probability under the model as it is now, in eval mode (no dropout)."""
+    was = ms.model.training
+    ms.model.eval()
+    logits = ms.model(ms.local(batch[0]))
+    ms.model.train(was)
+    return token_logps(logits, ms.local(batch[1]), temperature)
+
+
 class swapped:
     """The reference's values in the model's parameters for the block (copied in place: FSDP keeps
     its own references to the sharded storage), the trained values back after. FSDP's unsharded copies
@@ -247,22 +251,22 @@ class swapped:
         self.saved = None
 
 
-def reference_weights(trainer) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str]:
+def reference_weights(trainer) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str, list]:
     """grpo.beta > 0: how the reference's forward runs -> (a factory of the block in which the model is
-    the reference, or None; the header's note). Under LoRA the base model, the adapters switched off (as
+    the reference, or None; the header's note; the tensors held for it). Under LoRA the base model, the adapters switched off (as
     TRL with PEFT; they start at B = 0, so it is also the model the run started from): no copy.
     Otherwise a copy of the reference's parameters (each rank its shards) swapped in: the weights the
     run starts from, taken at step 0 or read back from checkpoint.initial_load_path on a resume."""
     cfg, model = trainer.cfg, trainer.model
     if cfg.grpo.beta == 0.0:
-        return None, "no reference model (grpo.beta = 0)"
+        return None, "no reference model (grpo.beta = 0)", []
     if cfg.lora.enable:  # the frozen base is the reference: TRL under PEFT, and what the run started from (B = 0)
-        return (lambda: adapters_off(model)), "reference: the base model, the adapters switched off (no copy of any weight)"
+        return (lambda: adapters_off(model)), "reference: the base model, the adapters switched off (no copy of any weight)", []
     params = list(model.parameters())
     if trainer.state.step == 0:
         copy = [p.detach().clone() for p in params]
         return ((lambda: swapped(model, copy)),
-                f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)")
+                f"reference: the starting weights (a copy of {sum(p.numel() for p in params) / 1e6:.2f}M parameters)", copy)
     where = cfg.checkpoint.initial_load_path
     if not where:
         raise ConfigError(f"grpo.beta = {cfg.grpo.beta}: resuming at step {trainer.state.step} needs the reference (the "
@@ -270,4 +274,4 @@ def reference_weights(trainer) -> tuple[Callable[[], contextlib.AbstractContextM
                           f"set it to the checkpoint the run started from, or start the run anew")
     with weights_from(model, where, "checkpoint.initial_load_path") as source:
         reference = [p.detach().clone() for p in model.parameters()]
-    return (lambda: swapped(model, reference)), f"reference: {source} (checkpoint.initial_load_path)"
+    return (lambda: swapped(model, reference)), f"reference: {source} (checkpoint.initial_load_path)", reference

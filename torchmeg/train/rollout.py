@@ -112,10 +112,21 @@ def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices:
 
 
 @torch.no_grad()
-def longest_prefill(model, device, rows: int, prompt_len: int, max_len: int, on_values=contextlib.nullcontext) -> None:
+def groups_on_a_rank(global_rows: int, shares: int, group: int) -> int:
+    """The most prompts one data-parallel share's rows hold: its rows are a contiguous range of the
+    global batch (GRPOBatches), a prompt's group `group` contiguous rows; the engine prefills each of
+    those prompts once (the rest of its group copy its cached blocks)."""
+    per = global_rows // shares
+    return max(len({i // group for i in range(s * per, (s + 1) * per)}) for s in range(shares))
+
+
+def longest_prefill(model, device, rows: int, prompts: int, prompt_len: int, max_len: int,
+                    on_values=contextlib.nullcontext) -> None:
     """The rollout's largest step, for the planner (torchmeg.plan.post_training): the engine's slot KV
-    cache for `rows` sequences of `max_len` positions and the packed prefill of `rows` prompts of
-    `prompt_len` tokens, the runner's own forward. `on_values()` wraps the slots' bookkeeping
+    cache for `rows` sequences of `max_len` positions and the packed prefill of the first row of each
+    of `prompts` groups at `prompt_len` tokens (what `generate`'s first engine step runs: the rest of a
+    group copy the cached prompt a step later and compute only its last partial block, packed with one
+    decode token per first row), the runner's own forward. `on_values()` wraps the slots' bookkeeping
     (positions from the prompts' lengths, read back as lists): on fake tensors it must run on values."""
     runner = ModelRunner(model, device, rows, max_len)
     bind = runner.cache.bind_packed
@@ -124,4 +135,4 @@ def longest_prefill(model, device, rows: int, prompt_len: int, max_len: int, on_
         with on_values():
             return bind(*args)
     runner.cache.bind_packed = bind_on_values
-    runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(rows)]))
+    runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(prompts)]))
