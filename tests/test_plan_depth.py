@@ -133,10 +133,12 @@ CASES = [
      ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
     ("llama_lora_fsdp2", "debug_llama.toml", 2, ["--model.n_layers=10", "--lora.enable=true"]),
     ("dpo_fsdp2", "dpo_debug.toml", 2, ["--model.n_layers=10"]),
-    # GRPO + LoRA with a reference: the rollout's two phases (the engine's prefill with every layer's
-    # weights and KV; the reference's forward, adapters off), each scaled with the depth on its own
-    ("grpo_lora_beta_fsdp2", "grpo_debug.toml", 2,
-     ["--model.n_layers=16", "--lora.enable=true", "--grpo.beta=0.04", "--data.seq_len=4096", "--model.max_seq_len=4096"]),
+    # GRPO + LoRA, a 32k vocabulary: at the 4 and 5 layers a sampled plan traces, the rollout peaks while
+    # the weights are gathered (the embedding's and head's all-gather buffers lead); with 24 layers in
+    # the engine's prefill (every layer's KV cache): each phase scaled on its own (a plan scaling one
+    # rollout phase said 214 MB for 311)
+    ("grpo_lora_fsdp2", "grpo_debug.toml", 2,
+     ["--model.n_layers=24", "--lora.enable=true", "--model.vocab_size=32768"]),
     ("llama_pp2_1f1b_fsdp2", "debug_llama.toml", 4,
      ["--model.n_layers=23", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4",
       "--parallelism.pipeline_parallel_layers_per_stage=[12, 11]"]),  # (uneven: each rank's trace of its own)

@@ -38,13 +38,16 @@ def reference_copy(cfg, model) -> list[torch.Tensor]:
 
 def rollout_phases(cfg, layout, mesh, model, opt, reference: list[torch.Tensor], ms, batch) -> dict[str, dict[str, int]]:
     """GRPO's memory phases before the step on this rank (MemTracker's categories at each one's peak):
-    `rollout`, the engine's prefill; then, once its cache is freed, `rollout_logps` (only where the
-    loss reads them): the old policy's and the reference's no-grad log-prob forwards of one microbatch
-    `batch` (each microbatch's are alike), through the trainer's own code (grpo.extra_logps: the
-    reference swapped in over a copy of the trained values, or the adapters off under LoRA). Two
-    phases, not one: each scales with the depth on its own line (the engine holds every layer's
-    weights and cache, the forwards one block's weights at a time beside the copy), and the larger
-    is taken once scaled (torchmeg.plan.depth)."""
+    `rollout_gather`, every FSDP module unsharded (the last all-gather's buffers on top of the others'
+    weights); `rollout`, the engine's prefill on them (every layer's KV cache besides); then, once the
+    cache is freed, `rollout_logps` (only where the loss reads them): the old policy's and the
+    reference's no-grad log-prob forwards of one microbatch `batch` (each microbatch's are alike),
+    through the trainer's own code (grpo.extra_logps: the reference swapped in over a copy of the
+    trained values, or the adapters off under LoRA). Three phases, not one: each scales with the depth
+    on its own line (weights; weights and cache; one block's weights at a time beside the copy), and
+    the largest is taken once scaled (torchmeg.plan.depth). As one phase the 8B GRPO + LoRA plan
+    scaled whichever led at its few traced layers: the gather's (an 8B's embedding and head are
+    2.1 GB to gather) or the reference's forward, not the prefill that leads past 10 layers."""
     g = cfg.grpo
     shares = mesh["dp_cp"].size()
     rows, prompts = layout.global_batch // shares, groups_on_a_rank(layout.global_batch, shares, g.num_generations)
@@ -54,11 +57,12 @@ def rollout_phases(cfg, layout, mesh, model, opt, reference: list[torch.Tensor],
     model.eval()
     out = {}
     try:
-        with mt:
+        with mt:  # (one tracker entry: entering again would restart its peak; take_peak restarts it here)
             with torch.no_grad(), gathered_weights(model):
+                out["rollout_gather"] = take_peak(mt)
                 longest_prefill(model, "cpu", rows, prompts, g.max_prompt_length,
                                 g.max_prompt_length + g.max_completion_length, unset_fake_temporarily)
-            out["rollout"] = take_peak(mt)  # (and the peak restarts from what is held now)
+            out["rollout"] = take_peak(mt)
             if g.num_iterations > 1 or g.beta != 0.0:
                 extra_logps(ms, [batch], g, (lambda: adapters_off(model)) if cfg.lora.enable else
                             (lambda: swapped(model, reference)))
@@ -70,5 +74,5 @@ def rollout_phases(cfg, layout, mesh, model, opt, reference: list[torch.Tensor],
 
 def rollout_peak_bytes(phases: dict) -> int | None:
     """The larger of the rollout's phases, in bytes (None: not GRPO)."""
-    totals = [phases[k].get("Total", 0) for k in ("rollout", "rollout_logps") if k in phases]
+    totals = [phases[k].get("Total", 0) for k in ("rollout_gather", "rollout", "rollout_logps") if k in phases]
     return max(totals) if totals else None
