@@ -9,11 +9,12 @@ GRPO (torchmeg.train.grpo, torchmeg.train.rollout):
   engine's slot KV cache for the rank's rows (global batch / data-parallel shares) at the longest
   prompt plus the longest completion, and the packed prefill of each of the rank's prompts (one row
   per group: the others copy its cached blocks, the engine's prefix caching) at its longest
-  (`train.rollout.longest_prefill`: the engine's runner, one forward, the head on each prompt's last token): traced
-  on fake tensors as its own memory phase (`rollout`), followed by the old policy's and the
-  reference's no-grad log-prob forwards the trainer runs before the step (`grpo.extra_logps`). Decode
-  steps hold less than that prefill and are not traced; the rollout's time is not in the plan's step time (its length depends on what the
-  model writes).
+  (`train.rollout.longest_prefill`: the engine's runner, one forward, the head on each prompt's last
+  token), then the old policy's and the reference's no-grad log-prob forwards the trainer runs before
+  the step (`grpo.extra_logps`): traced on fake tensors as memory phases of their own (`rollout_gather`,
+  `rollout`, `rollout_logps`: `rollout_phases`). Decode steps hold less than that prefill and are not
+  traced; the rollout's time is not in the plan's step time (its length depends on what the model
+  writes).
 DPO holds its reference as a table of log-probs, 16 bytes a pair (torchmeg.train.dpo): nothing beside
 the step. SFT holds nothing beside it.
 """
@@ -73,6 +74,6 @@ def rollout_phases(cfg, layout, mesh, model, opt, reference: list[torch.Tensor],
 
 
 def rollout_peak_bytes(phases: dict) -> int | None:
-    """The larger of the rollout's phases, in bytes (None: not GRPO)."""
+    """The largest of the rollout's phases, in bytes (None: not GRPO)."""
     totals = [phases[k].get("Total", 0) for k in ("rollout_gather", "rollout", "rollout_logps") if k in phases]
     return max(totals) if totals else None
