@@ -63,7 +63,6 @@ class GRPOBatches:
         self.group = trainer.loss_group
         self.share, self.shares = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.rows = trainer.layout.global_batch
-        self.per_rank = self.rows // self.shares
         self.step = trainer.start_step
         self.micro: list = []
         self._served = 0
@@ -92,7 +91,7 @@ class GRPOBatches:
         k = (self.step - 1) // g.num_iterations  # this rollout's number: its prompts and its seed
         n_prompts = self.rows // g.num_generations
         step_prompts = [self.prompts.at(k * n_prompts + p) for p in range(n_prompts)]
-        mine = range(self.share * self.per_rank, (self.share + 1) * self.per_rank)
+        mine = rollout.share_rows(self.rows, self.shares, self.share)
         rows = [step_prompts[i // g.num_generations] for i in mine]  # each row's prompt
         sampling = Sampling(g.temperature, g.top_k, g.top_p, seed=(self.cfg.job.seed * 1_000_003 + k) % (1 << 62))
         with t.watchdog.inside(f"rollouts for step {self.step}"), rollout.gathered_weights(t.model):

@@ -111,15 +111,20 @@ def generate(model, tokenizer, device, prompts: list[list[int]], sample_indices:
                  "prompt_tokens": sum(len(j.prompt) for j in jobs), "cached_prompt_tokens": sum(j.cached_prompt for j in jobs)}
 
 
-@torch.no_grad()
-def groups_on_a_rank(global_rows: int, shares: int, group: int) -> int:
-    """The most prompts one data-parallel share's rows hold: its rows are a contiguous range of the
-    global batch (GRPOBatches), a prompt's group `group` contiguous rows; the engine prefills each of
-    those prompts once (the rest of its group copy its cached blocks)."""
+def share_rows(global_rows: int, shares: int, share: int) -> range:
+    """The global batch's rows one data-parallel share generates: a contiguous range (a prompt's group
+    is `num_generations` contiguous rows)."""
     per = global_rows // shares
-    return max(len({i // group for i in range(s * per, (s + 1) * per)}) for s in range(shares))
+    return range(share * per, (share + 1) * per)
 
 
+def groups_on_a_rank(global_rows: int, shares: int, group: int) -> int:
+    """The most prompts one data-parallel share's rows hold (`share_rows`, groups of `group` rows); the
+    engine prefills each of those prompts once (the rest of its group copy its cached blocks)."""
+    return max(len({i // group for i in share_rows(global_rows, shares, s)}) for s in range(shares))
+
+
+@torch.no_grad()
 def longest_prefill(model, device, rows: int, prompts: int, prompt_len: int, max_len: int,
                     on_values=contextlib.nullcontext) -> None:
     """The rollout's largest step, for the planner (torchmeg.plan.post_training): the engine's slot KV
