@@ -384,24 +384,59 @@ def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
     return read_metrics(d)
 
 
-@pytest.fixture(scope="session")
-def debug_run(tmp_path_factory):
-    """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end: the
-    trained model generation, evaluation and serving are tested on (job name "debug"). Trained once
-    per test run: under pytest-xdist in the folder the workers share (this run's temp root), the first
-    worker to ask trains it while a file lock holds the other back (~35 s of a worker saved when
-    test_generate and test_serve land on different workers); the tests only read it."""
-    from filelock import FileLock  # lazy: torch's own dependency, needed only by this fixture
-    base = tmp_path_factory.getbasetemp()
-    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "debug_run"  # (xdist or not)
+def trained_once(tmp_path_factory, folder: str, args: list[str], name: str, timeout: int):
+    """A run several tests only read, trained once per test run: under pytest-xdist in the folder the
+    workers share (this run's temp root), the first worker to ask trains it while a file lock holds the
+    others back. -> the run's dump folder."""
+    from filelock import FileLock  # lazy: torch's own dependency, needed only by these fixtures
+    d = shared_folder(tmp_path_factory, folder)
     with FileLock(str(d) + ".lock"):
         if not (d / "trained").exists():
             shutil.rmtree(d, ignore_errors=True)
-            run_cli(["--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
-                     "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], d, name="debug",
-                    timeout=240)
+            run_cli(args, d, name=name, timeout=timeout)
             (d / "trained").touch()
     return d
+
+
+def shared_folder(tmp_path_factory, name: str):
+    """A folder every worker of this test run shares (this run's temp root under pytest-xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name  # (xdist or not)
+
+
+@pytest.fixture(scope="session")
+def plan_traces(tmp_path_factory):
+    """A plan.trace_cache for this test run: the published rows that trace one program (eager and
+    compiled rows, async TP on and off, another GPU) trace it once. tests/test_plan_trace_cache.py
+    shows a plan read from it equals a fresh one to the last bit."""
+    return str(shared_folder(tmp_path_factory, "plan_traces"))
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory):
+    """The default recipe (validation, checkpoints on), 30 steps, exported to HF at the end: the
+    trained model generation, evaluation and serving are tested on (job name "debug"), trained once
+    per test run (~35 s of a worker saved when test_generate and test_serve land on different
+    workers); the tests only read it."""
+    return trained_once(tmp_path_factory, "debug_run", [
+        "--config", "recipes/debug_llama.toml", "--training.steps=30", "--checkpoint.interval=30",
+        "--checkpoint.export_hf=true", "--metrics.enable_tensorboard=false"], "debug", 240)
+
+
+# The default recipe's model for 30 steps on 128-token sequences, its held-out loss at step 30 over 8
+# batches (so one batch's noise does not decide): what a low-precision recipe's run of the same
+# settings is compared with (float8, MXFP8). 128 tokens, not the recipe's 256: the emulated casts are
+# Python-level ops, ~3x an fp32 step here.
+LOW_PRECISION_VS_FP32 = ["--config", "recipes/debug_llama.toml", "--training.steps=30", "--validation.freq=30",
+                         "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10",
+                         "--data.seq_len=128"]
+
+
+@pytest.fixture(scope="session")
+def fp32_debug_run(tmp_path_factory):
+    """LOW_PRECISION_VS_FP32 in fp32 (job name "fp32"), trained once per test run (the float8 and
+    MXFP8 tests share it)."""
+    return trained_once(tmp_path_factory, "fp32_debug_run", LOW_PRECISION_VS_FP32, "fp32", 300)
 
 
 @pytest.fixture(scope="session")

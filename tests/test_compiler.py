@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import FP32_PARITY, reference_run, assert_parity as compare, assert_tensor_close, TINY, read_metrics, run_cli
+from conftest import FP32_PARITY, reference_run, assert_parity as compare, assert_tensor_close, TINY, LOW_PRECISION_VS_FP32, read_metrics, run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.parallel.recompute import apply_recompute
@@ -119,20 +119,19 @@ def test_op_half_recomputes_every_other_matmul():
 
 
 @pytest.mark.slow
-def test_float8_trains_debug_recipe_close_to_fp32(tmp_path):
-    """Emulated float8 (torchao, tensorwise) on the debug recipe for 30 steps: the held-out loss at
-    step 30 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's."""
-    args = ["--config", "recipes/debug_llama.toml", "--training.steps=30", "--validation.freq=30",
-            "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10"]
-    run_cli(args, tmp_path, name="fp32", timeout=300)
-    run_cli(args + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300,
+def test_float8_trains_debug_recipe_close_to_fp32(tmp_path, fp32_debug_run):
+    """Emulated float8 (torchao, tensorwise) on the debug recipe's model for 30 steps: the held-out loss
+    at step 30 (8 batches, so one batch's noise does not decide) is within 5% of the fp32 run's
+    (conftest.LOW_PRECISION_VS_FP32, shared with the MXFP8 test)."""
+    run_cli(LOW_PRECISION_VS_FP32 + ["--float8.enable=true"], tmp_path, name="fp8", timeout=300,
             env={"TORCHMEG_RECORD_OPS": str(tmp_path / "fp8_ops")})
     rec = json.loads((tmp_path / "fp8_ops.rank0.json").read_text())
     assert rec["float8_modules"] == _float8_fqns(4), rec["float8_modules"]
     assert {"float8_e4m3fn", "float8_e5m2"} <= set(rec["dtypes_seen"]), rec["dtypes_seen"]
-    a, b = read_metrics(tmp_path, "fp32")[-1], read_metrics(tmp_path, "fp8")[-1]
+    a, b = read_metrics(fp32_debug_run, "fp32")[-1], read_metrics(tmp_path, "fp8")[-1]
     assert a["step"] == b["step"] == 30
     assert abs(b["val_loss"] - a["val_loss"]) <= 0.05 * a["val_loss"], (a["val_loss"], b["val_loss"])
+    assert b["val_loss"] != a["val_loss"]  # (the casts changed the numbers: float8 ran, not fp32 under its name)
     assert b["loss"] < read_metrics(tmp_path, "fp8")[0]["loss"] - 1.5  # and it really trained
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import TINY, assert_parity, read_metrics, run_cli
+from conftest import LOW_PRECISION_VS_FP32, TINY, assert_parity, read_metrics, run_cli
 from test_compiler import _float8_fqns
 from test_plan import _plan
 from torchmeg.parallel.mxfp8 import torch_has_mx_training
@@ -51,21 +51,17 @@ def test_mxfp8_on_a_torch_without_it_is_one_line_before_anything_starts(monkeypa
 
 @pytest.mark.slow
 @needs_mx_torch
-def test_mxfp8_trains_debug_recipe_close_to_fp32(tmp_path):
+def test_mxfp8_trains_debug_recipe_close_to_fp32(tmp_path, fp32_debug_run):
     """30 steps of the debug recipe's model: every block Linear converted (the head is not), e4m3 elements and e8m0
     scales cast in step 1, the header naming the emulation, and the held-out loss at step 30 (8 batches)
-    within 5% of the fp32 run's (float8's rule)."""
-    # (sequences of 128 tokens, not 256: the emulation quantizes in Python-level ops, ~3x an fp32 step here)
-    args = ["--config", "recipes/debug_llama.toml", "--training.steps=30", "--validation.freq=30",
-            "--validation.steps=8", "--metrics.enable_tensorboard=false", "--metrics.log_freq=10",
-            "--data.seq_len=128"]
-    run_cli(args, tmp_path, name="fp32", timeout=300)
-    p = run_cli(args + MX, tmp_path, name="mx", timeout=300, env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
+    within 5% of the fp32 run's (float8's rule; conftest.LOW_PRECISION_VS_FP32, the run both compare with)."""
+    p = run_cli(LOW_PRECISION_VS_FP32 + MX, tmp_path, name="mx", timeout=300,
+                env={"TORCHMEG_RECORD_OPS": str(tmp_path / "ops")})
     assert "mxfp8 28 linears (EMULATED: " in p.stdout, p.stdout[:3000]
     rec = _record(tmp_path)
     assert rec["mxfp8_modules"] == _float8_fqns(4) and rec["float8_modules"] == [], rec["mxfp8_modules"]
     assert {"float8_e4m3fn", "float8_e8m0fnu"} <= set(rec["dtypes_seen"]), rec["dtypes_seen"]
-    a, b = read_metrics(tmp_path, "fp32")[-1], read_metrics(tmp_path, "mx")[-1]
+    a, b = read_metrics(fp32_debug_run, "fp32")[-1], read_metrics(tmp_path, "mx")[-1]
     assert a["step"] == b["step"] == 30
     assert abs(b["val_loss"] - a["val_loss"]) <= 0.05 * a["val_loss"], (a["val_loss"], b["val_loss"])
     assert b["val_loss"] != a["val_loss"]  # (the casts changed the numbers: MX ran, not fp32 under its name)

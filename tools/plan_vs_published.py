@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The planner's predicted and upper-bound tokens/s beside published runs of the same job (markdown).
 
-    python tools/plan_vs_published.py [--rows N] [--match TEXT]
+    python tools/plan_vs_published.py [--rows N] [--match TEXT] [--trace-cache DIR]
 
 Rows (torchtitan's H100s are the 96 GB, 500 W parts of Grand Teton: `h100-500w`):
 - torchtitan's Llama 3.1 8B, FSDP 8, seq 8192, local batch 2, selective (per-op) recompute, bf16, on 8
@@ -140,6 +140,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=len(RUNS), help="the first N rows only")
     ap.add_argument("--match", default="", help="only the rows whose name contains this")
+    ap.add_argument("--trace-cache", default="", help="plan.trace_cache: rows that trace one program (eager and "
+                    "compiled, async TP on and off) trace it once, and a second run reads every trace")
     a = ap.parse_args(argv)
     sys.path.insert(0, ROOT)
     from torchmeg.config.schema import load_config
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
           "predicted time: matmul / attention / memory-bound / exposed comm (s) | memory GiB: published / planned |")
     print("|---|---|---|---|---|---|---|---|")
     for name, recipe, gpu, world, args, published in [r for r in RUNS[:a.rows] if a.match in r[0]]:
-        cfg = load_config(os.path.join(ROOT, "recipes", recipe), args)
+        cache = [f"--plan.trace_cache={a.trace_cache}"] if a.trace_cache else []
+        cfg = load_config(os.path.join(ROOT, "recipes", recipe), args + cache)
         p = plan(cfg, world, gpu, isolate=True)
         r = max(p["ranks"], key=lambda r: r["predicted_step_s"])
         by = r["predicted_compute_s"]

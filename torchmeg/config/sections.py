@@ -243,6 +243,9 @@ class Plan:
     trace_layers: str = _f("sampled", choices=["sampled", "all"],
                            help="sampled: trace the first and last layer of each pipeline stage and two of each kind "
                                 "between, scaled to the whole depth (torchmeg.plan.depth); all: trace every layer")
+    trace_cache: str = _f("", help="a folder where the dry run keeps each trace: a plan that traces the same program "
+                                   "again (another GPU, async TP or compile on or off, a search after a plan) reads it "
+                                   "instead (torchmeg.plan.trace_cache); '' = off")
 
 
 @dataclass

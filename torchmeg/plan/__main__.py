@@ -91,9 +91,10 @@ def render(p: dict) -> str:
 def _traced(p: dict) -> str:
     """What the dry run traced: a few layers scaled to the depth (torchmeg.plan.depth), or all."""
     traced = p["ranks"][0].get("traced_layers") or []
+    cached = f", {p['traces_cached']} of {p['traces']} traces read from plan.trace_cache" if p.get("traces_cached") else ""
     if len(traced) < 2:
-        return ""
-    return f", layers traced {' + '.join(map(str, traced))} and scaled by kind"
+        return cached
+    return f", layers traced {' + '.join(map(str, traced))} and scaled by kind" + cached
 
 
 def main(argv=None) -> int:

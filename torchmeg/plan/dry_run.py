@@ -9,7 +9,8 @@ storage under FakeTensorMode), so every DTensor plan, FSDP unit and collective i
 run would have; one step runs under torch's MemTracker and StepCost (torchmeg.plan.trace_step).
 A few layers of each kind are traced and the step scaled to the whole depth (torchmeg.plan.depth):
 `prepare` decides the traces, each (pipeline rank kind, trace) is a job, `run_jobs` traces jobs of
-any number of plans in one pool (--search), `DryRun.finish` combines them. Pipeline ranks are
+any number of plans in one pool (--search), `DryRun.finish` combines them; with plan.trace_cache a
+job traced before is read back (torchmeg.plan.trace_cache). Pipeline ranks are
 accounted for from their stages (torchmeg.plan.pipeline_rank).
 
 compile is off in a dry run (inductor does not trace fake-mode parameters); it changes no
@@ -24,6 +25,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import sys
 
 import torch.distributed as dist
 
@@ -33,7 +35,7 @@ from torchmeg.models.args import instantiate
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.mxfp8 import MX_RECIPES
 from torchmeg.parallel.parallelize import describe_report
-from torchmeg.plan import depth
+from torchmeg.plan import depth, trace_cache
 from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
 from torchmeg.plan.pipeline_rank import measure_pipeline, pipeline_ranks
 from torchmeg.plan.step_cost import mesh_group_labels
@@ -55,6 +57,7 @@ class DryRun:
     traces: list
     groups: list[list[int]]  # pipeline ranks with the same stage shapes; the first is traced
     key: int = 0
+    cached: int = 0  # jobs read from plan.trace_cache instead of traced (torchmeg.plan.trace_cache)
 
     @property
     def jobs(self) -> list[tuple[int, int, int]]:
@@ -127,16 +130,35 @@ def cores() -> int:
 def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None) -> list[dict]:
     """Trace each job, as many at a time as this machine has cores, each in a forked child of its own:
     DeviceMesh keeps process groups of an earlier fake world alive in its caches (torch 2.13), so one
-    process cannot be two ranks in a row. `done(job)` is told as each finishes (search's progress)."""
-    if len(jobs) == 1 and not isolate:
-        return [trace_job(jobs[0])]
+    process cannot be two ranks in a row. A job whose trace plan.trace_cache holds is read, not traced.
+    `done(job)` is told as each finishes (search's progress)."""
     out = {}
-    with mp.get_context("fork").Pool(max(1, min(len(jobs), cores())), maxtasksperchild=1) as pool:
-        for job, piece in pool.imap_unordered(_traced, jobs, chunksize=1):
+    for job in jobs:
+        piece = cached_piece(job)
+        if piece is not None:
             out[job] = piece
             if done is not None:
                 done(job)
+    todo = [j for j in jobs if j not in out]
+    if len(todo) == 1 and not isolate:
+        out[todo[0]] = trace_job(todo[0])
+    elif todo:
+        with mp.get_context("fork").Pool(max(1, min(len(todo), cores())), maxtasksperchild=1) as pool:
+            for job, piece in pool.imap_unordered(_traced, todo, chunksize=1):
+                out[job] = piece
+                if done is not None:
+                    done(job)
     return [out[j] for j in jobs]
+
+
+def cached_piece(job: tuple[int, int, int]) -> dict | None:
+    """The job's trace from plan.trace_cache (counted on its DryRun), or None."""
+    run = _PREPARED[job[0]]
+    if not run.cfg.plan.trace_cache:
+        return None
+    piece = trace_cache.load(run.cfg.plan.trace_cache, trace_cache.job_key(run, job))
+    run.cached += piece is not None
+    return piece
 
 
 def _traced(job):
@@ -144,6 +166,20 @@ def _traced(job):
 
 
 def trace_job(job: tuple[int, int, int]) -> dict:
+    """Trace one job (kept in plan.trace_cache when one is set)."""
+    piece = _trace(job)
+    run = _PREPARED[job[0]]
+    folder = run.cfg.plan.trace_cache
+    if folder:
+        try:
+            trace_cache.store(folder, trace_cache.job_key(run, job), piece)
+        except OSError as e:  # (a plan is still a plan: the next one traces again)
+            print(f"plan.trace_cache = {folder!r}: cannot keep a trace there ({e.strerror or e}); planning on "
+                  f"without it", file=sys.stderr, flush=True)
+    return piece
+
+
+def _trace(job: tuple[int, int, int]) -> dict:
     """Trace one job: trace i of plan `key` for pipeline rank pp_rank (the global rank with that pp
     coordinate and 0 elsewhere; pp is the outermost mesh dim)."""
     key, pp_rank, i = job

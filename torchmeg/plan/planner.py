@@ -115,4 +115,4 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "predicted_step_s": pred, "predicted_tokens_per_s_per_gpu": global_tokens / world / pred,
             "predicted_mfu": min(x["predicted_mfu"] for x in rows), "compiled": rows[0]["compiled"],
             "float8": cfg.float8.enable,
-            "dry_run_s": wall, "ranks": rows}
+            "dry_run_s": wall, "traces": len(p.run.jobs), "traces_cached": p.run.cached, "ranks": rows}

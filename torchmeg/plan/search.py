@@ -7,7 +7,8 @@ selective / full, local batch 1, 2, 4, 8, 16 (gradient accumulation makes up the
 Layouts the model or batch cannot take are dropped by the recipe checks; every other one is
 planned (`limit`: the first that many, the simplest first: no pp, no cp, least recompute, most TP
 inside the node, largest local batch). All their traces run in one pool (_trace_in_order): layouts
-whose traced programs are identical share them (traced_program), and one that holds at least as much
+whose traced programs are identical share them (trace_cache.traced_program; with plan.trace_cache,
+traces of earlier plans are read back), and one that holds at least as much
 as a layout found not to fit is reported as not fitting without a trace (_dominated_by).
 """
 from __future__ import annotations
@@ -19,9 +20,10 @@ import queue
 import time
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.plan.dry_run import cores, forget, trace_job
+from torchmeg.plan.dry_run import cached_piece, cores, forget, trace_job
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.planner import finish_plan, prepare_plan
+from torchmeg.plan.trace_cache import traced_program
 from torchmeg.train.validate import validate
 
 MODES = ("none", "selective", "full")
@@ -67,20 +69,6 @@ def describe(c) -> str:
     return (f"tp {p.tensor_parallel_degree} pp {p.pipeline_parallel_degree} cp {p.context_parallel_degree} "
             f"dp_shard {p.data_parallel_shard_degree} recompute {c.activation_checkpoint.mode} "
             f"local batch {c.training.local_batch_size}")
-
-
-def traced_program(run) -> str:
-    """What a dry run's traces depend on: the recipe and the layout, with a pipeline's batch as the
-    microbatches its stages run (their count and size), not how local batch and accumulation make them."""
-    cfg, lay = copy.deepcopy(run.cfg), run.layout
-    if lay.stages is not None:
-        cfg.training.local_batch_size = cfg.training.global_batch_size = 0
-        cfg.parallelism.pipeline_parallel_microbatches = 0
-        batch = (lay.local_batch * lay.accum // lay.stages.microbatches, lay.stages)
-    else:
-        batch = (lay.local_batch, lay.accum)
-    return repr((cfg, lay.world_size, lay.dims, lay.seq_len, batch, lay.rows_per_sample, lay.loss_parallel,
-                 [(t.keep and sorted(t.keep), t.coeff) for t in run.traces]))
 
 
 MODE_MEMORY = {"full": 0, "selective": 1, "none": 2}  # least to most activation memory
@@ -136,6 +124,10 @@ def _trace_in_order(prepared, alias, finished, rows) -> int:
                 for job in waiting[p.run.key] - submitted:
                     submitted.add(job)
                     in_flight += 1
+                    piece = cached_piece(job)
+                    if piece is not None:  # (plan.trace_cache: traced by an earlier plan)
+                        done_q.put((job, piece, None))
+                        continue
                     pool.apply_async(trace_job, (job,), callback=lambda r, j=job: done_q.put((j, r, None)),
                                      error_callback=lambda e, j=job: done_q.put((j, None, e)))
                 _complete(c, p, waiting, traced, finished, no_fit, alias)
@@ -226,7 +218,9 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_no
         for _, p in prepared:
             forget(p.run)
     rows = list(rows.values())
-    print(f"  {n_traced} traces for {sum(r['traced'] for r in rows)} layouts traced; "
+    cached = sum(p.run.cached for _, p in prepared)
+    print(f"  {n_traced} traces for {sum(r['traced'] for r in rows)} layouts traced"
+          f"{f' ({cached} of them read from plan.trace_cache)' if cached else ''}; "
           f"{sum(not r['traced'] for r in rows)} others cannot fit where a smaller one of theirs does not", flush=True)
     gpu = GPUS[gpu_name]
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted_step_s"])
