@@ -79,6 +79,7 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     assert _alive(token) == 0
     env = dict(os.environ, HYGIENE_TOKEN=token, HYGIENE_STARTED=str(started), HYGIENE_COUNT=str(count),
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
+    env.pop("PYTEST_ADDOPTS", None)  # (the outer session's own options, e.g. a plugin on its PYTHONPATH: not the inner's)
     # The timeout covers the test's call only: the zygote starts (imports) in a fixture before it.
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                         "--timeout=8", "-o", "timeout_func_only=true", "--rootdir", str(tmp_path),
