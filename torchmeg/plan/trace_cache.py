@@ -19,6 +19,7 @@ nothing in torch keeps the result of a whole traced step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import importlib.metadata
@@ -78,13 +79,8 @@ def job_key(run, job: tuple[int, int, int]) -> str:
     _, pp_rank, i = job
     t = run.traces[i]  # (its sets in order: a set of strings prints in another order in every process)
     trace = (t.keep and sorted(t.keep), t.stage_layers, t.coeff, t.stages and sorted(t.stages), t.work)
-    what = repr((code_version(model_file), traced_program(_Run(cfg, run.layout, run.traces)), pp_rank, trace))
+    what = repr((code_version(model_file), traced_program(dataclasses.replace(run, cfg=cfg)), pp_rank, trace))
     return hashlib.sha256(what.encode()).hexdigest()
-
-
-class _Run:
-    def __init__(self, cfg, layout, traces):
-        self.cfg, self.layout, self.traces = cfg, layout, traces
 
 
 def _path(folder: str, key: str) -> str:
