@@ -195,7 +195,7 @@ def _launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: int) -> subpro
             out_path, err_path = os.path.join(logs, f"{r}.out"), os.path.join(logs, f"{r}.err")
             procs.append(_start(cmd, e, out_path, err_path))
             outs.append((out_path, err_path))
-        deadline, rc = time.time() + timeout, 0
+        deadline, rc = time.time() + processes.bound(timeout), 0
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed or time.time() > deadline:
@@ -224,7 +224,7 @@ def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tup
                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     run = _launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
                         world, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
-    _, err = planner.communicate(timeout=180)
+    _, err = planner.communicate(timeout=processes.bound(180))
     assert run.returncode == 0, run.stderr[-3000:]
     assert planner.returncode == 0, err[-3000:]
     plan = json.load(open(tmp_path / "plan.json"))
@@ -234,7 +234,7 @@ def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tup
 
 def _run_one(cmd: list[str], env: dict, timeout: int) -> subprocess.CompletedProcess:
     """One process, as subprocess.run(capture_output=True, timeout=...) would."""
-    logs = tempfile.mkdtemp(prefix="torchmeg-run-")
+    logs, timeout = tempfile.mkdtemp(prefix="torchmeg-run-"), processes.bound(timeout)
     try:
         out_path, err_path = os.path.join(logs, "out"), os.path.join(logs, "err")
         p = _start(cmd, env, out_path, err_path)
@@ -255,7 +255,8 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
     """`python -m torchmeg.train` on one process, or on nproc ranks (torchrun --standalone when
     `torchrun`, else the same worker environment set up directly). Forked from the suite's zygote
     (tests/zygote.py) when the run's environment allows: the same run without the ~2.4 s of imports.
-    `fresh`: a new interpreter whatever the environment (a test of what happens at import)."""
+    `fresh`: a new interpreter whatever the environment (a test of what happens at import).
+    `timeout`: a floor, raised to what is left of the test's own timeout (processes.bound)."""
     full_env = dict(os.environ)
     full_env.update({"PYTHONUNBUFFERED": "1"})
     full_env.update(env or {})

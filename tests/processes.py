@@ -12,6 +12,12 @@ group is recorded against the test phase that started it:
 The test zygotes (conftest._Zygote: fork servers kept for the whole session) are started under
 `keep()` and are not recorded; torch's inductor compile-worker pool is torch's own and kept too.
 
+A process a test waits for is bounded by the test's own time (`bound`): the helpers' timeouts
+(conftest.run_cli and the launches under it, subprocess.run) are floors, raised to what is left of the
+test's pytest-timeout less a margin, so a run slowed by a busy machine fails only when the test itself
+would, and then with its output (CI's 120 s bound on a cold compile beside another worker's tests
+failed a green run).
+
 The quick tier: a test not marked `slow` that starts a process fails at once, naming itself, so
 `-m "not slow"` launches nothing (the rule holds in the whole suite's run too, where it is checked).
 """
@@ -23,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -31,6 +38,8 @@ _groups: dict[str, set[int]] = {"call": set(), "setup": set(), "session": set()}
 _lock = threading.Lock()
 _current = {"item": None, "phase": "session"}
 _popen_init = subprocess.Popen.__init__
+_run = subprocess.run
+_deadline: list[float | None] = [None]  # when the current test's pytest-timeout fires (monotonic)
 
 
 @contextlib.contextmanager
@@ -79,6 +88,33 @@ def _init(self, args, *a, **kw):
         started(self.pid)
 
 
+def bound(asked: float | None) -> float | None:
+    """The timeout to wait for a process with: `asked`, or what is left of the test's pytest-timeout
+    less a margin (a tenth of it, at most 20 s: time to kill the run and report its output) when
+    that is longer. Outside a timed test, `asked`."""
+    deadline = _deadline[0]
+    if deadline is None or asked is None:
+        return asked
+    left = deadline - time.monotonic()
+    return max(asked, left - min(20.0, 0.1 * left))
+
+
+def _bounded_run(*args, **kw):
+    if kw.get("timeout") is not None:
+        kw["timeout"] = bound(kw["timeout"])
+    return _run(*args, **kw)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item, settings):
+    _deadline[0] = time.monotonic() + settings.timeout  # (None returned: pytest-timeout sets its timer)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item):
+    _deadline[0] = None
+
+
 def kill_groups(phase: str) -> int:
     """SIGKILL every group recorded for `phase`; how many still had a process."""
     with _lock:
@@ -96,6 +132,7 @@ def kill_groups(phase: str) -> int:
 
 def install() -> None:
     subprocess.Popen.__init__ = _init
+    subprocess.run = _bounded_run
 
 
 @pytest.hookimpl(hookwrapper=True)

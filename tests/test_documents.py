@@ -301,3 +301,28 @@ def test_flex_document_mask_equals_the_sdpa_path(q_start, L, heads, monkeypatch)
         q, k.repeat_interleave(H // K, 1), v.repeat_interleave(H // K, 1),
         attn_mask=torch.ones(L, S, dtype=torch.bool).tril(q_start))
     assert (causal[1:] - sdpa[1:]).abs().max() > 0.1
+
+
+def test_op_recorder_records_flex_attention(monkeypatch):
+    """TORCHMEG_RECORD_OPS's recorder (a dispatch mode) over the flex path: torch.compile skips every
+    frame under such a mode and torch 2.13's eager flex_attention is a fullgraph compile ("found no
+    compiled frames"); on torch 2.11 the op reached the mode with no rule for it. Found on an H200,
+    where every recorded run of the debug recipe failed at step 1. Recorded, flex runs as the plain
+    op: the same output, its operands' dtype recorded, torch's flag put back."""
+    import torch.nn.attention.flex_attention as flex_module
+    from torchmeg.models.attention import DocumentBatch, document_attention
+    from torchmeg.observe.op_record import OpRecorder
+    from torchmeg.parallel.compile import isa_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", isa_cache_dir(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")))
+    torch.manual_seed(0)
+    docs = torch.arange(128).div(40, rounding_mode="floor")[None]
+    q, k, v = (torch.randn(1, 2, 128, 16, dtype=torch.bfloat16) for _ in range(3))
+    plain = document_attention(q, k, v, DocumentBatch(docs), 0, flex=True)
+    before = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    recorder = OpRecorder()
+    with recorder:
+        recorded = document_attention(q, k, v, DocumentBatch(docs), 0, flex=True)
+    assert flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG == before
+    assert recorder.matmul.get("flex_attention") == {"bfloat16"}, recorder.matmul
+    # the compiled kernel vs the plain op in bf16: 8 mantissa bits, sums of 128 products -> 2^-8 relative
+    assert_tensor_close(recorded.float(), plain.float(), 2 ** -8 * 4, "recorded vs plain flex")

@@ -92,3 +92,14 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     assert len(os.listdir(started)) == 2  # both stuck runs ran (and started their children) before the timeout
     assert count.read_text() == "0", f"{count.read_text()} processes of the timed-out tests were still alive"
     assert _alive(token) == 0
+
+
+@pytest.mark.timeout(200)
+def test_a_wait_is_bounded_by_the_time_left_to_the_test():
+    """A helper's timeout is a floor: a run waited for may take what is left of the test's own
+    pytest-timeout, less a margin (a cold compile beside another worker's tests ran past 120 s on CI
+    and failed a green run); a longer floor stays; subprocess.run is bounded alike."""
+    import processes
+    assert 200 - 25 < processes.bound(5) < 200 - 15
+    assert processes.bound(500) == 500
+    assert subprocess.run is processes._bounded_run

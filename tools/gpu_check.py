@@ -232,7 +232,10 @@ def gpu_suite(check: Check, timeout: float) -> dict:
         msg = next((c.get("message", "") for c in case if c.tag in ("failure", "error", "skipped")), "")
         rows.append({"test": case.get("name"), "outcome": kind, "seconds": float(case.get("time", 0)),
                      "message": msg[:300]})
-    return {"rows": rows, **({"pytest": failed[:600]} if failed else {})}
+    bad = [r["test"] for r in rows if r["outcome"] in ("failure", "error")]
+    # (a test that failed fails the step: the first lent H200 said "ok" above a table of failures)
+    return {"rows": rows, **({"status": "failed", "why": f"{len(bad)} failed: {', '.join(bad)}"} if bad else {}),
+            **({"pytest": failed[:600]} if failed else {})}
 
 
 STEPS = [Step("compile_vs_eager", 210, 60, False, compile_vs_eager),

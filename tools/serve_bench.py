@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.client
 import json
 import os
@@ -164,7 +165,9 @@ def engine_runner(args, rest):
     from torchmeg.batching.scheduler import Job
     a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest, http=False)
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
-    max_len = a.max_model_len or a.limit
+    a.max_seqs = args.max_seqs
+    cli.size_engine(a, loaded.built.model, loaded.device)  # the server's dtype and slot length
+    max_len = a.max_model_len
 
     def run_engine(bodies: list[dict], concurrency: int) -> dict:
         engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
@@ -195,6 +198,10 @@ def engine_runner(args, rest):
                 if queue:
                     submit(queue.pop(0))
         wall = time.perf_counter() - t0
+        # the slot cache and its layers refer to each other: freed only by a collection, and the next
+        # run's engine reserves its own (a 1B's on an H200 ran out of memory at the second run)
+        engine = None
+        gc.collect()
         got = []
         run_engine.tokens = [list(r["job"].tokens) for r in records]  # (in the bodies' order: --peer compares)
         for r in records:
@@ -289,6 +296,8 @@ def main() -> None:
                            stream=True, stream_options={"include_usage": True}) for p in prompts]
             run_one(bodies[:1], 1)  # warm up
             set_rows = [dict(run_one(bodies, c), set=name) for c in [int(x) for x in args.concurrency.split(",")]]
+            if not all(r["output_tokens_per_sec"] > 0 for r in set_rows):
+                raise SystemExit(f"serve_bench: set {name}: a run produced no tokens (its errors above)")
             for r in set_rows:
                 r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
             rows += set_rows

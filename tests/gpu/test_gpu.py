@@ -16,7 +16,9 @@ from conftest import ROOT, assert_parity, assert_tensor_close, read_metrics, run
 
 CUDA = torch.cuda.is_available()
 N_GPU = torch.cuda.device_count() if CUDA else 0
-pytestmark = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `pytest tests/gpu` on a GPU machine")
+# slow: each launches a run or holds the device for seconds (the quick tier launches no process)
+pytestmark = [pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU: run `pytest tests/gpu` on a GPU machine"),
+              pytest.mark.slow]
 two_gpus = pytest.mark.skipif(N_GPU < 2, reason="needs 2 GPUs")
 fp8_gpu = pytest.mark.skipif(not CUDA or torch.cuda.get_device_capability() < (8, 9),
                              reason="needs a GPU with float8 matmuls (sm_89+: L40S, H100, ...)")

@@ -22,7 +22,7 @@ from torchmeg.parallel.mxfp8 import is_mx_linear
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear", "_grouped_mm",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-              "scaled_dot_product_attention"}
+              "scaled_dot_product_attention", "flex_attention", "flex_attention_backward"}
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -30,14 +30,38 @@ def _name(dtype: torch.dtype) -> str:
 
 
 class OpRecorder(TorchDispatchMode):
+    # higher-order ops (flex_attention: document masks on CUDA) reach the mode too, recorded by name;
+    # without this torch raises "no rule registered for HigherOrderOperator flex_attention" (found on
+    # an H200: every recorded GPU run of the debug recipe failed at step 1)
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.matmul: dict[str, set[str]] = {}
         self.seen: set[str] = set()
+        self._flex_eager = None
+
+    # torch.compile skips every frame while a dispatch mode like this one is on, and torch >= 2.12's
+    # eager flex_attention is itself a fullgraph compile of the op: under the mode it raises "found no
+    # compiled frames". Recording, flex_attention runs as the plain op (the reference implementation,
+    # which has autograd on CUDA), so it reaches this mode; the flag is put back on exit.
+    def __enter__(self):
+        import torch.nn.attention.flex_attention as flex  # lazy: only a recorded step needs it
+        self._flex_eager = getattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+        if self._flex_eager is not None:
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.nn.attention.flex_attention as flex  # lazy: as in __enter__
+        if self._flex_eager is not None:
+            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._flex_eager
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        op = func.overloadpacket.__name__
+        packet = getattr(func, "overloadpacket", None)
+        op = packet.__name__ if packet is not None else func.name()  # (a higher-order op has no packet)
         ins = {_name(t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = {_name(t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         self.seen |= ins | outs

@@ -97,15 +97,8 @@ def run(prepared) -> None:
     a, cfg, layout, template, template_error = prepared
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
     model, device = loaded.built.model, loaded.device
-    dtype = _dtype(a.dtype, device)
-    if dtype != torch.float32:
-        model.to(dtype)
+    dtype = size_engine(a, model, device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    budget, source = budget_bytes(a.kv_cache_gib, device)
-    if world > 1:
-        budget, source = agreed_budget(budget, source, device)
-    a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
-                                              budget, source)
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     # (the queue is bounded by the API process, which sees every request first)
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
@@ -123,6 +116,21 @@ def run(prepared) -> None:
         _serve_http(a, cfg, layout, loaded, engine, dtype)
     loaded = engine = model = None
     runtime.end()
+
+
+def size_engine(a, model, device: torch.device) -> torch.dtype:
+    """The weights' dtype (--dtype) and the slots' length (--max-model-len, or what --kv-cache-gib's
+    budget holds at --max-seqs) as the server sets them, into `a.max_model_len` and `a.len_note`; also
+    tools/serve_bench.py --engine's, so the bench measures the engine the server runs. -> the dtype."""
+    dtype = _dtype(a.dtype, device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    budget, source = budget_bytes(a.kv_cache_gib, device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        budget, source = agreed_budget(budget, source, device)
+    a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
+                                              budget, source)
+    return dtype
 
 
 def _serve_http(a, cfg, layout, loaded, engine, dtype) -> None:
