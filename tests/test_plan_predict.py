@@ -49,6 +49,45 @@ def test_fused_bytes_are_what_crosses_the_fused_group():
     assert fused == (n * d * 2 + n * d * 4) + (n * d * 4 + n * d * 2)
 
 
+def test_a_device_query_stops_at_the_step_cost(monkeypatch):
+    """`prim.device` (a fake tensor's device, asked by the autograd engine and by ops: more than half of
+    a fake step's dispatches) is answered by StepCost, not passed down to the modes below it (the
+    memory tracker's place), with the same answers and the same op table as when it is passed down."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torchmeg.plan import step_cost
+
+    class Below(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.devices = self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.devices += func is torch.ops.prim.device.default
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    def step():
+        w = torch.randn(64, 64, requires_grad=True)
+        torch.nn.functional.rms_norm(torch.randn(8, 64) @ w, (64,)).relu().sum().backward()
+        return w.grad
+
+    def costed():
+        with FakeTensorMode():
+            with Below() as below, StepCost() as cost:
+                g = step()
+        return below, cost, g
+    with FakeTensorMode():
+        with Below() as alone:
+            step()
+    below, cost, g = costed()
+    assert alone.devices > 0 and below.devices == 0 and below.ops == alone.ops - alone.devices
+    assert g.device == torch.device("cpu") and g.shape == (64, 64)
+    monkeypatch.setattr(step_cost, "_DEVICE", None)  # (every device query passed down, as before)
+    below_all, cost_all, g_all = costed()
+    assert below_all.devices == alone.devices and cost_all.ops == cost.ops and g_all.device == g.device
+
+
 def test_a_collectives_wait_is_not_memory_traffic():
     """A functional all-gather of a 16 MiB bf16 shard over 8 ranks, its wait, then a multiply of the
     gathered 128 MiB: the collective is counted once (its buffer, 7/8 of it on the wire; none of it
