@@ -38,6 +38,8 @@ def device_of(func, args):
     if isinstance(t, FakeTensor):
         return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
     return func(*args)
+
+
 # CPU flash attention takes the CUDA flash kernel's leading arguments (q, k, v / grad_out, q, k, v,
 # out, lse) and does the same FLOPs; flop_counter has formulas for the CUDA kernels only.
 _ALIASES = {
