@@ -28,15 +28,14 @@ aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
 
 
-def device_of(func, args):
+def device_of(func, types, args):
     """A tensor's device, asked by the autograd engine and by ops of a fake tensor (`prim.device`: more
     than half of all dispatches of a fake training step; 34,430 of 61,273 in a gpt-oss trace). It moves
     no data and allocates nothing, so no mode below (the memory tracker, whose peak is already current)
-    has anything to count: a fake tensor answers as FakeTensor.__torch_dispatch__ does, without passing
-    through them; any other goes on down the stack."""
-    t = args[0] if len(args) == 1 else None
-    if isinstance(t, FakeTensor):
-        return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+    has anything to count: a fake tensor is asked directly, through FakeTensor's own handler (where the
+    query ends when it passes every mode), without passing through them; any other goes on down the stack."""
+    if len(args) == 1 and isinstance(args[0], FakeTensor):
+        return FakeTensor.__torch_dispatch__(func, types, args, {})
     return func(*args)
 
 
@@ -206,7 +205,7 @@ class StepCost(CommDebugMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # (a device query: half of a fake step's dispatches; see device_of)
-            return device_of(func, args)
+            return device_of(func, types, args)
         # As CommDebugMode: a DTensor op returns NotImplemented, so DTensor runs it as local ops
         # and collectives, which come back through here; those are what a rank really runs.
         # (and so do other wrapper subclasses: torchao's float8 tensors run their _scaled_mm here)
