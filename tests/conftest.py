@@ -28,6 +28,10 @@ os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 import pytest  # noqa: E402
 
 import processes  # noqa: E402
+import timeline  # noqa: E402
+# (the comparison rule lives in tests/tolerance.py; its names are also the test modules' `from conftest import`)
+from tolerance import (BF16_U, FP32_PARITY, assert_close, assert_parity, assert_tensor_close,  # noqa: E402,F401
+                       rel_diff, uses_rule)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -326,58 +330,6 @@ def tiny_args():
     return list(TINY)
 
 
-# ---- run-vs-run comparisons: one rule ---------------------------------------------------------
-# Every bound is RELATIVE to the compared value's magnitude: floating point rounds relative to size,
-# so an absolute bound on a loss of 6 or a grad norm of 10 tests the machine, not the feature (an
-# absolute 1e-5 on a grad norm of 10.3 failed on an AVX2-only EPYC at 1.1e-6 relative).
-#
-# FP32_PARITY = 1e-5 ~ 168 u with u = 2^-24 (fp32 unit roundoff). Two fp32 runs that differ only in the
-# order of their reductions (sharded sums, a tree all-reduce, another ISA's FMA/blocking, a resharded
-# optimizer) differ by ~sqrt(n) u per n-term sum; Adam renormalises each update, so over the <= 20
-# steps of a parity run the runs drift by a few tens of u (measured: <= 2e-6 relative on AVX-512 and
-# AVX2). 168 u leaves room for that drift and still fails on any real change: a layout that drops one
-# microbatch or mis-shards one weight moves the loss by >= 1e-3 relative at the first step.
-FP32_PARITY = 1e-5
-# bf16 carries 8 significant bits: unit roundoff 2^-8.
-BF16_U = 2.0 ** -8
-
-
-def rel_diff(a: float, b: float) -> float:
-    """|a - b| relative to the larger magnitude (0 when both are 0)."""
-    scale = max(abs(a), abs(b))
-    return abs(a - b) / scale if scale else 0.0
-
-
-def assert_close(a: float, b: float, rtol: float = FP32_PARITY, what: str = "") -> None:
-    assert rel_diff(a, b) <= rtol, f"{what}: {a!r} vs {b!r} (relative {rel_diff(a, b):.2e} > {rtol:.1e})"
-
-
-def assert_tensor_close(a, b, rtol: float = FP32_PARITY, what: str = "") -> None:
-    """Element-wise difference relative to the tensors' largest magnitude (the scale every element's
-    rounding is taken at in a matmul or a sum); refuses to compare zeros."""
-    a, b = a.detach().double(), b.detach().double()
-    scale = max(a.abs().max().item(), b.abs().max().item())
-    assert scale > 0, f"{what}: comparing zeros"
-    d = (a - b).abs().max().item()
-    assert d <= rtol * scale, f"{what}: max difference {d:.3e} > {rtol:.1e} x scale {scale:.3e}"
-
-
-def assert_parity(ref: list[dict], got: list[dict], rtol: float = FP32_PARITY,
-                  keys: tuple = ("loss", "grad_norm", "val_loss"), steps=None) -> None:
-    """Per-step metrics of a layout vs the reference run, every key relative (the rule above).
-    `steps`: compare only these steps (both runs must log them)."""
-    if steps is not None:
-        ref = [r for r in ref if r["step"] in steps]
-        got = [r for r in got if r["step"] in steps]
-    assert [r["step"] for r in got] == [r["step"] for r in ref], "different steps logged"
-    assert ref, "nothing to compare"
-    for a, b in zip(ref, got):
-        for k in keys:
-            assert (k in a) == (k in b), f"step {a['step']}: {k} in only one run"
-            if k in a:
-                assert_close(a[k], b[k], rtol, f"step {a['step']} {k} (reference vs layout)")
-
-
 def reference_run(tmp_path_factory, args: list[str]) -> list[dict]:
     """The single-process run a layout is compared against: its logged metrics."""
     d = tmp_path_factory.mktemp("ref")
@@ -454,40 +406,16 @@ def short_docs(tmp_path_factory):
     return d / "fns"
 
 
-# ---- the `parity` marker: every test that compares by the rule above ---------------------------
-# Found, not hand-kept: a test is a parity test when it (or a helper of its module that it calls)
-# uses one of the rule's helpers. `.ci/run` runs these again under an AVX2 cap (ATen, oneDNN and
-# MKL), so a bound fitted to this machine's ISA fails in CI, not on a user's CPU.
-_RULE_NAMES = ("assert_parity", "assert_close", "assert_tensor_close", "FP32_PARITY", "BF16_U", "rel_diff")
-
-
-def _uses_rule(fn, module, depth: int = 1) -> bool:
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return False
-    if any(n in src for n in _RULE_NAMES):
-        return True
-    helpers = {assert_parity, assert_close, assert_tensor_close, rel_diff}
-    for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", src)):
-        obj = getattr(module, name, None)
-        if obj in helpers:
-            return True
-        if depth and inspect.isfunction(obj) and obj.__module__ == module.__name__ and obj is not fn \
-                and _uses_rule(obj, module, depth - 1):
-            return True
-    return False
-
-
 def pytest_configure(config):
     processes.install()
     config.pluginmanager.register(processes, "torchmeg-processes")
+    timeline.register(config)  # (TORCHMEG_TEST_TIMELINE=FILE: where the run's time went)
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fn = getattr(item, "function", None)
-        if fn is not None and _uses_rule(fn, item.module):
+        if fn is not None and uses_rule(fn, item.module):
             item.add_marker(pytest.mark.parity)
         if fn is not None and ("compile" in item.originalname or "--compile.enable=true" in inspect.getsource(fn)):
             item.add_marker(pytest.mark.compile)

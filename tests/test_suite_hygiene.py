@@ -7,6 +7,7 @@ Before tests/processes.py the zygote's fork of a timed-out test trained on in th
 orphan of the fork server), slowing every test after it."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -77,8 +78,9 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     started.mkdir()
     (tmp_path / "test_inner.py").write_text(INNER)
     assert _alive(token) == 0
+    timeline = tmp_path / "timeline.jsonl"  # (tests/timeline.py, on the inner session)
     env = dict(os.environ, HYGIENE_TOKEN=token, HYGIENE_STARTED=str(started), HYGIENE_COUNT=str(count),
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]))
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]), TORCHMEG_TEST_TIMELINE=str(timeline))
     env.pop("PYTEST_ADDOPTS", None)  # (the outer session's own options, e.g. a plugin on its PYTHONPATH: not the inner's)
     # The timeout covers the test's call only: the zygote starts (imports) in a fixture before it.
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
@@ -92,6 +94,10 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     assert len(os.listdir(started)) == 2  # both stuck runs ran (and started their children) before the timeout
     assert count.read_text() == "0", f"{count.read_text()} processes of the timed-out tests were still alive"
     assert _alive(token) == 0
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    calls = {r["test"].split("::")[1]: r for r in rows if r["phase"] == "call"}
+    assert len(calls) == 4 and all(r["worker"] == "main" for r in rows), rows
+    assert 8 <= calls["test_times_out_in_a_forked_run"]["seconds"] < 60 and "idle tail 0 s" in out, out[-2000:]
 
 
 @pytest.mark.timeout(200)
