@@ -320,6 +320,14 @@ def assert_resumed(p: subprocess.CompletedProcess, step: int) -> None:
     assert trained and min(trained) > step, f"after resuming from step {step} the run logged steps {trained}"
 
 
+def own_tmp(folder) -> dict:
+    """The environment of a process whose temporary files go to `folder` (TMPDIR), so a test can see
+    what it left there; inductor's kernel cache stays where it was (its default follows TMPDIR)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # (lazy: inductor's import)
+    return dict(os.environ, TMPDIR=str(folder),
+                TORCHINDUCTOR_CACHE_DIR=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir())
+
+
 def read_metrics(tmp_path, name: str = "run") -> list[dict]:
     with open(os.path.join(tmp_path, name, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]

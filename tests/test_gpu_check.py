@@ -5,14 +5,21 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, own_tmp
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_check  # noqa: E402  (tools/, put on the path above)
+
+
+@pytest.fixture(autouse=True)
+def _work_in_tmp_path(tmp_path, monkeypatch):
+    """Check's work folder (tempfile.mkdtemp) under the test's own folder, not the machine's /tmp."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def test_each_step_is_run_skipped_or_failed_by_name_and_the_rest_go_on(tmp_path):
@@ -87,9 +94,10 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     — the bench settings by name with compiled kernels counted, float8 changing the loss (it ran),
     the fused loss equal to the unfused one, each attention way through an SDPA kernel, the engine at
     two concurrencies, a plan beside each planned setting — and the report names every step."""
-    out = tmp_path / "out"
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
     p = subprocess.run([sys.executable, "tools/gpu_check.py", "--cpu", "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=480)
+                       capture_output=True, text=True, timeout=480, env=own_tmp(tmp))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     report = json.load(open(out / "gpu_check.json"))
     steps = {s["step"]: s for s in report["steps"]}
@@ -120,3 +128,4 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     md = (out / "gpu_check.md").read_text()
     assert all(f"### {name}: " in md for name in steps) and "| compiled ac=full |" in md
     assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]  # what $OUT brings back
+    assert not [f for f in os.listdir(tmp) if f.startswith("torchmeg-")], os.listdir(tmp)  # its work folders gone

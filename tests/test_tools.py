@@ -6,16 +6,18 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, own_tmp
 
 
 @pytest.mark.slow
 def test_bench_writes_reports(tmp_path):
     model = [a for a in TINY if a.startswith(("--model.", "--data.seq_len"))]
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     p = subprocess.run([sys.executable, "tools/bench.py", "--config", "recipes/debug_llama.toml", "--compile", "off,on",
                         "--ac", "none,full", "--steps", "2", "--warmup", "1", "--repeats", "2",
                         "--out", str(tmp_path)] + model,
-                       cwd=ROOT, capture_output=True, text=True, timeout=240)
+                       cwd=ROOT, capture_output=True, text=True, timeout=240, env=own_tmp(tmp))
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.load(open(tmp_path / "bench.json"))
     assert sorted(r["setting"] for r in rows) == ["compiled", "compiled ac=full", "eager", "eager ac=full"]
@@ -26,6 +28,7 @@ def test_bench_writes_reports(tmp_path):
     assert next(r for r in rows if r["setting"] == "eager")["speedup"] == 1.0
     assert "| eager ac=full |" in open(tmp_path / "bench.md").read()
     assert os.path.getsize(tmp_path / "bench.png") > 1000
+    assert not [f for f in os.listdir(tmp) if f.startswith("torchmeg-bench-")], os.listdir(tmp)  # the runs' folder gone
 
 
 @pytest.mark.slow

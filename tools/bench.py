@@ -23,6 +23,7 @@ import itertools
 import json
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -111,28 +112,31 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra --section.key=value for every setting")
     a, extra = ap.parse_known_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    dump = tempfile.mkdtemp(prefix="torchmeg-bench-")
-    settings = settings_from(a)
-    ctx = mp.get_context("spawn")
-    rows = []
-    if a.one_at_a_time:
-        for name, ov in settings:
-            w = _start(ctx, name, a, ov + a.overrides + extra, dump)
-            _run(w, a.warmup)
-            times = [t for _ in range(a.repeats) for t in _run(w, a.steps)]
-            rows.append(_finish(w, times))
-            _write_json(rows, a)  # (the settings so far: a caller that stops this run keeps them)
-    else:
-        workers = [_start(ctx, name, a, ov + a.overrides + extra, dump) for name, ov in settings]
-        for w in workers:
-            _run(w, a.warmup)
-        times = {w[0]: [] for w in workers}
-        for r in range(a.repeats):
+    dump = tempfile.mkdtemp(prefix="torchmeg-bench-")  # (the runs' own files: removed at the end)
+    try:
+        settings = settings_from(a)
+        ctx = mp.get_context("spawn")
+        rows = []
+        if a.one_at_a_time:
+            for name, ov in settings:
+                w = _start(ctx, name, a, ov + a.overrides + extra, dump)
+                _run(w, a.warmup)
+                times = [t for _ in range(a.repeats) for t in _run(w, a.steps)]
+                rows.append(_finish(w, times))
+                _write_json(rows, a)  # (the settings so far: a caller that stops this run keeps them)
+        else:
+            workers = [_start(ctx, name, a, ov + a.overrides + extra, dump) for name, ov in settings]
             for w in workers:
-                times[w[0]] += _run(w, a.steps)
-            print(f"[bench] round {r + 1}/{a.repeats} done", file=sys.stderr, flush=True)
-        rows = [_finish(w, times[w[0]]) for w in workers]
-    write_reports(rows, a, settings[0][0])
+                _run(w, a.warmup)
+            times = {w[0]: [] for w in workers}
+            for r in range(a.repeats):
+                for w in workers:
+                    times[w[0]] += _run(w, a.steps)
+                print(f"[bench] round {r + 1}/{a.repeats} done", file=sys.stderr, flush=True)
+            rows = [_finish(w, times[w[0]]) for w in workers]
+        write_reports(rows, a, settings[0][0])
+    finally:
+        shutil.rmtree(dump, ignore_errors=True)
     return 0
 
 

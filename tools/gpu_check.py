@@ -35,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -297,7 +298,10 @@ def main(argv=None) -> int:
             print(f"[gpu_check] planner: {env['device']} is not in the planner's GPU table; skipped", flush=True)
         else:
             start_planner(check, gpu)
-    results = run_steps(check, steps)
+    try:
+        results = run_steps(check, steps)
+    finally:  # the runs' files (a checkpoint, bench folders): what they measured is in the report
+        shutil.rmtree(check.work, ignore_errors=True)
     report = {"when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "mode": "cpu dry run" if a.cpu else "gpu", "environment": env, "steps": results,
               "seconds": round(time.monotonic() - check.t0, 1)}
