@@ -216,7 +216,12 @@ def _launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: int) -> subpro
         text = [(open(o).read(), open(e).read()) for o, e in outs]
     finally:
         shutil.rmtree(logs, ignore_errors=True)
-    return subprocess.CompletedProcess(cmd, rc, text[0][0], "\n".join(e for _, e in text))
+    done = subprocess.CompletedProcess(cmd, rc, text[0][0], "\n".join(e for _, e in text))
+    # each failed rank's own last lines (the tail of the joined stderr is the last rank's: a peer's
+    # "connection reset" hid the rank that died first)
+    done.rank_tails = "".join(f"\n--- rank {r} (exit {p.returncode}) stdout/stderr tail ---\n{o[-1500:]}\n{e[-4000:]}"
+                              for r, (p, (o, e)) in enumerate(zip(procs, text)) if p.returncode)
+    return done
 
 
 def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tuple[dict, list[dict]]:
@@ -276,7 +281,8 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
                             f"--nproc_per_node={nproc}"] + train, cwd=ROOT, env=full_env, capture_output=True,
                            text=True, timeout=timeout)
     if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}: {' '.join(p.args)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
+        raise AssertionError(f"exit {p.returncode}: {' '.join(p.args)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+                             + getattr(p, "rank_tails", ""))
     return p
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, _run_one
 
 INNER = '''
 import os, subprocess, sys
@@ -109,3 +110,14 @@ def test_a_wait_is_bounded_by_the_time_left_to_the_test():
     assert 200 - 25 < processes.bound(5) < 200 - 15
     assert processes.bound(500) == 500
     assert subprocess.run is processes._bounded_run
+
+
+@pytest.mark.slow
+def test_a_run_killed_by_abort_says_where():
+    """A run forked by the test zygote that dies by SIGABRT (a gloo or C++ abort mid-run) writes every
+    thread's Python stack to its stderr before it dies, and still reports the signal: in CI a rank
+    that aborted left only its peer's "connection reset" (tests/zygote.py enables faulthandler)."""
+    p = _run_one([sys.executable, "-m", "tests.aborted_run"], dict(os.environ), timeout=60)
+    assert p.returncode == -signal.SIGABRT, (p.returncode, p.stderr[-2000:])
+    assert "Fatal Python error: Aborted" in p.stderr and 'aborted_run.py", line 11 in abort_here' in p.stderr, \
+        p.stderr[-2000:]

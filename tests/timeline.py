@@ -1,9 +1,9 @@
 """`TORCHMEG_TEST_TIMELINE=FILE`: where the suite's time went, written by the process that reports
 (xdist's controller, or the only process) when the session ends: each test phase's worker, start and
-duration (JSON lines, appended: a second session, such as `.ci/run`'s capped pass, adds its own rows
-after the first's, each row naming its session's start), and a summary printed after pytest's own: the seconds each file took, each
-worker's busy time and its idle tail (the time it waited at the end while another still worked: what
-the order of files costs under `--dist loadfile`).
+duration as JSON lines, appended (a second session, such as `.ci/run`'s capped pass, adds its rows
+after the first's, each row naming its session's start); and a summary printed after pytest's own:
+the seconds each file took, each worker's busy time and its idle tail (the time it waited at the end
+while another still worked: what the order of files costs under `--dist loadfile`).
 
 Not a timing assertion: a record of one run, read when the suite's time is the question
 (docs/testing.md keeps the numbers)."""

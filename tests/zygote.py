@@ -60,6 +60,11 @@ def _child(req: dict, listener: socket.socket, conns) -> None:
             f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(f, fd)
             os.close(f)
+        # A run killed by a signal it can catch (SIGABRT, SIGSEGV, SIGBUS, SIGFPE, SIGILL) writes every
+        # thread's Python stack to its stderr first (then dies by the signal, as before): a rank that
+        # aborted mid-run left only its peer's "connection reset" in CI's log.
+        import faulthandler
+        faulthandler.enable(all_threads=True)
         os.environ.clear()
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
