@@ -30,6 +30,7 @@ import pytest  # noqa: E402
 import processes  # noqa: E402
 import timeline  # noqa: E402
 # (the comparison rule lives in tests/tolerance.py; its names are also the test modules' `from conftest import`)
+pytest.register_assert_rewrite("tolerance")  # (its asserts report their values, as they did in conftest)
 from tolerance import (BF16_U, FP32_PARITY, assert_close, assert_parity, assert_tensor_close,  # noqa: E402,F401
                        rel_diff, uses_rule)
 
