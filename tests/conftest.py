@@ -25,6 +25,26 @@ import time
 # loads: set before torch is imported here and inherited by every process the suite starts.
 os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
+
+def cores_per_worker() -> int | None:
+    """Under pytest-xdist, each worker's share of the cores (None in a serial run)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // workers)
+
+
+# Each worker runs torch (here and in every process it starts that does not set its own count) on its
+# share of the cores, not on all of them: with two workers on two cores, two one-process runs at torch's
+# default of two threads each put four threads on two cores, and even at 1,000 spins a thread waiting
+# at a parallel region for a descheduled partner loses time. Measured on the 2-core machine, two
+# 30-step debug_llama runs side by side (as two workers run them), GOMP_SPINCOUNT=1000 for both:
+# 31.9 / 31.4 s at two threads each, 26.9 / 28.0 s at one (interleaved pairs). Set before torch is
+# imported, so this process reads it too; a count the user set is kept.
+if cores_per_worker() is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_worker()))
+
 import pytest  # noqa: E402
 
 import processes  # noqa: E402

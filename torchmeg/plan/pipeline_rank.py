@@ -8,6 +8,7 @@ FSDP gathers each stage.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torchmeg.observe.metrics import local_bytes
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.parallelize import reshard_after_forward
 from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak, simulate, torch_actions
+from torchmeg.plan.depth import stage_signature
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.step_cost import add_comm
 from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, router_stats, track_step
@@ -44,7 +46,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
     dim = layout.args.dim
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     vocab = layout.args.vocab_size
-    per_stage, p2p = {}, []
+    per_stage, p2p, measured, traced = {}, [], {}, []
     per_microbatch = reshard_after_forward(cfg, dims)  # FSDP regathers each stage per microbatch
     # DeepSeek-V3's MTP: every stage takes the tokens ahead; the embeddings of them travel with
     # the hidden state (models/deepseek_v3.py), (1 + depth) x its width between stages
@@ -63,8 +65,17 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
         # the schedule's loss on the last stage's vocab-sharded logits, as pipeline_step runs it
-        with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
-            fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
+        # A stage the same as one measured on this rank (an interleaved schedule's middle ranks hold two
+        # or more of the same layers) costs what that one did: not traced again, but in the reference
+        # plan (trace_layers = "all"), which traces everything.
+        sig = stage_signature(part, layout.spec.layers_attr, sid == 0, sid == n_stages - 1)
+        if sig in measured and cfg.plan.trace_layers != "all":
+            fm = copy.deepcopy(measured[sig])
+        else:
+            with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
+                fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
+            measured.setdefault(sig, fm)
+            traced.append(sid)
         per_stage[sid] = fm
         # Activations go forward to the next stage, their gradients come back (same size).
         if sid != n_stages - 1:
@@ -88,6 +99,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
     return {"per_stage": per_stage, "p2p": p2p, "state": state, "tail": tail_m, "stage_ids": list(built.stage_ids),
+            "stages_traced": traced,
             "buffers": sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers()),
             "params": sum(local_bytes(p) for part in built.parts for p in part.parameters()),
             "reports": {i: dict(p.torchmeg_report) for i, p in enumerate(built.parts)}}
@@ -147,6 +159,7 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
         m = Measurement(memory=memory, flops=flops, ops=ops, comm=rank_comm)
         m.update(rank=pp_rank * (dims.world_size // dims.pp), pp_rank=pp_rank, stages=ids, model_state_bytes=state,
                  report=meas["report"], traced_layers=meas["traced_layers"],
+                 stages_traced=[s_rank for s_rank, s_built in zip(ids, stage_ids) if s_built in meas["stages_traced"]],
                  pipeline={"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb, "bubble": bub,
                            "stage_activation_bytes": {s: st["act"] for s, st in mine.items()},
                            "stage_kept_bytes": {s: st["kept"] for s, st in mine.items()},

@@ -100,6 +100,7 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "activation_bytes": activation_bytes(mem), "peak_bytes": mem.get("Total", 0),
             "flops": r["flops"], "comm": r["comm"], "pipeline": r.get("pipeline"),
             "traced_layers": r.get("traced_layers"),
+            "stages_traced": r.get("stages_traced"),  # (PP: a stage equal to one traced reads its numbers)
             # GRPO: the rollout's own peak (torchmeg.plan.post_training); the peak above is the larger phase's
             "rollout_peak_bytes": rollout_peak_bytes(r.get("memory_phases") or {}), **pred})
     step = max(x["step_s"] for x in rows)
