@@ -49,7 +49,7 @@ def test_a_converted_release_stops_where_its_generation_config_says_in_generate_
     from tokenizers import Tokenizer, processors
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from test_convert import _hf_folder
-    from test_serve import Server
+    from serving import Server
     release = tmp_path / "hf"
     hf = _hf_folder(release, "llama31")
     byte_level_bpe(release / "tokenizer.json", 320, SPECIAL)
