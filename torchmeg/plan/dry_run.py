@@ -110,13 +110,28 @@ def prepare(cfg, layout: Layout) -> DryRun:
         kinds = depth.layer_kinds(whole, layout.spec, cfg)
     groups: dict[tuple, list[int]] = {}
     for pp_rank in range(dims.pp):
-        ids = pl.stage_ids(pp_rank, dims.pp, st.per_rank, st.schedule) if st is not None else [0]
-        shape = tuple((st.layers[s], s == 0, s == st.n_stages - 1) for s in ids) if st is not None else ()
-        groups.setdefault(shape, []).append(pp_rank)
+        groups.setdefault(_stage_shapes(layout, kinds, pp_rank), []).append(pp_rank)
     run = DryRun(cfg, layout, depth.sample(kinds, st.layers if st is not None else None), list(groups.values()),
                  key=next(_KEYS))
     _PREPARED[run.key] = run
     return run
+
+
+def _stage_shapes(layout: Layout, kinds: dict[str, int] | None, pp_rank: int) -> tuple:
+    """What a pipeline rank's stages are, as far as a trace can tell: ranks with equal shapes trace as
+    one. Each stage's layers by kind (depth.layer_kinds: the block's modules and settings and whether it
+    is recomputed, so stages of 5 layers with every 2nd block recomputed or windowed / full attention
+    alternating are two shapes, not one) and whether it is the first or the last. The reference plan
+    (trace_layers = "all") traces every rank on its own, as does a model whose layers are not numbered."""
+    st = layout.stages
+    if st is None:
+        return ()
+    if kinds is None:  # (trace_layers = "all", or layers not numbered)
+        return (pp_rank,)
+    keys = list(kinds)
+    starts = [sum(st.layers[:s]) for s in range(st.n_stages)]
+    return tuple((tuple(kinds[k] for k in keys[starts[s]:starts[s] + st.layers[s]]), s == 0, s == st.n_stages - 1)
+                 for s in pl.stage_ids(pp_rank, layout.dims.pp, st.per_rank, st.schedule))
 
 
 def forget(run: DryRun) -> None:
