@@ -144,8 +144,8 @@ CASES = [
       "--parallelism.pipeline_parallel_layers_per_stage=[12, 11]"]),  # (uneven: each rank's trace of its own)
     # (the 70B at FSDP 64 with full recompute peaks in the second-to-last block's backward: traced too)
     ("llama_fsdp2_full_recompute", "debug_llama.toml", 2, ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
-    # (PP 4, two stages a rank: rank 0 holds the first and a middle stage, rank 3 a middle and the last, and
-    # ranks 1 and 2 two middle stages each, traced once: `stages_traced`)
+    # (PP 4, two stages a rank: rank 0 holds the first and a middle stage, rank 3 a middle and the last,
+    # ranks 1 and 2 two middle stages each; every rank traces one: `stages_traced`)
     ("llama_pp4_interleaved", "debug_llama.toml", 4,
      ["--model.n_layers=80", "--parallelism.pipeline_parallel_degree=4",
       "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches=4"]),
@@ -171,8 +171,8 @@ def test_sampled_plan_equals_the_plan_of_every_layer(name, recipe, world, args, 
     assert len(traced) >= 2 and max(traced) < every["ranks"][0]["traced_layers"][0], traced
     if "pp" in name:  # the reference traces every stage; the sampled plan a stage equal to a traced one not again
         assert all(r["stages_traced"] == r["stages"] for r in every["ranks"]), every["ranks"]
-        want = [2, 1, 1, 2] if name == "llama_pp4_interleaved" else [1] * len(sampled["ranks"])
-        assert [len(r["stages_traced"]) for r in sampled["ranks"]] == want, [r["stages_traced"] for r in sampled["ranks"]]
+        # (interleaved: ranks 1 and 2 hold two alike middle stages; ranks 0 and 3 a middle one beside their own)
+        assert [len(r["stages_traced"]) for r in sampled["ranks"]] == [1] * len(sampled["ranks"]), sampled["ranks"]
     a, b = numbers(every), numbers(sampled)  # (tools/plan_depth_check.py's: every number both plans report)
     assert a.keys() == b.keys()
     for k in a:

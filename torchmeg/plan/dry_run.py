@@ -20,6 +20,7 @@ end depends on the data, and shorter ones attend to fewer keys, so attention FLO
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import logging
@@ -58,6 +59,10 @@ class DryRun:
     groups: list[list[int]]  # pipeline ranks with the same stage shapes; the first is traced
     key: int = 0
     cached: int = 0  # jobs read from plan.trace_cache instead of traced (torchmeg.plan.trace_cache)
+    # A stage alike to one another group traces is not traced again: traced rank -> {stage: (the rank
+    # that traces it, its stage there)}, filled in by `finish` (the sampled traces only: not a fallback's)
+    reads: dict = dataclasses.field(default_factory=dict)
+    n_sampled: int = 0
 
     @property
     def jobs(self) -> list[tuple[int, int, int]]:
@@ -70,6 +75,17 @@ class DryRun:
         st = self.layout.stages
         return pl.stage_ids(pp_rank, self.layout.dims.pp, st.per_rank, st.schedule) if st is not None else [0]
 
+    def _piece(self, pieces: dict, rank: int, i: int) -> dict:
+        """Trace i of this rank's group (its base where i adds nothing to its stages), with the stages it
+        did not trace taken from the rank that traced them."""
+        piece = pieces.get((self.key, rank, i), pieces[self.key, rank, 0])
+        if not self.reads.get(rank):
+            return piece
+        piece = dict(piece, per_stage=dict(piece["per_stage"]))
+        for sid, (owner, owner_sid) in self.reads[rank].items():
+            piece["per_stage"][sid] = copy.deepcopy(self._piece(pieces, owner, i)["per_stage"][owner_sid])
+        return piece
+
     def finish(self, pieces: dict, isolate: bool = False) -> list[dict]:
         """pieces: job -> what it traced. -> one entry per pipeline rank, sorted by rank."""
         layout, st = self.layout, self.layout.stages
@@ -78,8 +94,7 @@ class DryRun:
         out = []
         for g in self.groups:
             try:
-                base = pieces[self.key, g[0], 0]
-                m = depth.combine([pieces.get((self.key, g[0], i), base) for i in range(len(sampled))],
+                m = depth.combine([self._piece(pieces, g[0], i) for i in range(len(sampled))],
                                   [t.coeff for t in sampled])
                 m["traced_layers"] = traced
             except depth.NotLinear:  # (no recipe does this; such a model is still planned, tracing every layer)
@@ -111,8 +126,9 @@ def prepare(cfg, layout: Layout) -> DryRun:
     groups: dict[tuple, list[int]] = {}
     for pp_rank in range(dims.pp):
         groups.setdefault(_stage_shapes(layout, kinds, pp_rank), []).append(pp_rank)
-    run = DryRun(cfg, layout, depth.sample(kinds, st.layers if st is not None else None), list(groups.values()),
-                 key=next(_KEYS))
+    traces = depth.sample(kinds, st.layers if st is not None else None)
+    run = DryRun(cfg, layout, traces, list(groups.values()), key=next(_KEYS), n_sampled=len(traces),
+                 reads=_stages_read(layout, groups))
     _PREPARED[run.key] = run
     return run
 
@@ -132,6 +148,24 @@ def _stage_shapes(layout: Layout, kinds: dict[str, int] | None, pp_rank: int) ->
     starts = [sum(st.layers[:s]) for s in range(st.n_stages)]
     return tuple((tuple(kinds[k] for k in keys[starts[s]:starts[s] + st.layers[s]]), s == 0, s == st.n_stages - 1)
                  for s in pl.stage_ids(pp_rank, layout.dims.pp, st.per_rank, st.schedule))
+
+
+def _stages_read(layout: Layout, groups: dict[tuple, list[int]]) -> dict[int, dict[int, tuple[int, int]]]:
+    """Which traced rank reads which of its stages from another's trace: a stage alike to one a rank whose
+    stages are all of one shape traces (under an interleaved schedule the first and the last rank each
+    hold a middle stage like every stage of the ranks between). Ranks of fewer distinct stages are
+    looked at first, so those are the ones that trace it."""
+    st, owner, reads = layout.stages, {}, {}
+    if st is None or not all(groups) or not all(isinstance(s, tuple) for shape in groups for s in shape):
+        return reads
+    for shape, g in sorted(groups.items(), key=lambda kv: (len(set(kv[0])), kv[1][0])):
+        ids = pl.stage_ids(g[0], layout.dims.pp, st.per_rank, st.schedule)
+        for sid, stage in zip(ids, shape):
+            if stage not in owner:
+                owner[stage] = (g[0], sid)
+            elif owner[stage][0] != g[0]:
+                reads.setdefault(g[0], {})[sid] = owner[stage]
+    return reads
 
 
 def forget(run: DryRun) -> None:
@@ -212,7 +246,8 @@ def _trace(job: tuple[int, int, int]) -> dict:
             if st is None:
                 return measure_step(cfg, layout, mesh, ep_mesh, labels, t.keep)
             lay = dataclasses.replace(layout, stages=dataclasses.replace(st, layers=t.stage_layers))
-            return measure_pipeline(cfg, lay, mesh, ep_mesh, labels, t.keep)
+            read = set(run.reads.get(pp_rank, {})) if i < run.n_sampled else set()
+            return measure_pipeline(cfg, lay, mesh, ep_mesh, labels, t.keep, read)
     finally:
         dist.destroy_process_group()
 

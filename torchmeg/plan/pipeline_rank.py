@@ -28,16 +28,17 @@ from torchmeg.train.build import GlobalTargetMean, loss_function, takes_sharded_
 from torchmeg.train.optim import build_optimizer, grad_norm
 
 
-def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
+def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep, read=frozenset()) -> dict:
     """This rank's pipeline stages (the layers in `keep`, or all), each stage's microbatch measured
-    once, and the step's tail (loss reductions, grad norm, update)."""
+    once, and the step's tail (loss reductions, grad norm, update). `read`: stages another rank's trace
+    measures (dry_run.DryRun.reads): built, not measured here (None in per_stage)."""
     built, fake = build(cfg, layout, mesh, ep_mesh, keep)
     with fake:
         opt = build_optimizer(built.model, cfg)
-        return measure_stages(cfg, layout, mesh, built, opt, labels)
+        return measure_stages(cfg, layout, mesh, built, opt, labels, read)
 
 
-def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
+def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset()) -> dict:
     dims, st = layout.dims, layout.stages
     n_stages, n_micro = st.n_stages, st.microbatches
     mb = layout.local_batch * layout.accum // n_micro
@@ -46,7 +47,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
     dim = layout.args.dim
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     vocab = layout.args.vocab_size
-    per_stage, p2p, measured, traced = {}, [], {}, []
+    per_stage, measured, traced = {}, {}, []
     per_microbatch = reshard_after_forward(cfg, dims)  # FSDP regathers each stage per microbatch
     # DeepSeek-V3's MTP: every stage takes the tokens ahead; the embeddings of them travel with
     # the hidden state (models/deepseek_v3.py), (1 + depth) x its width between stages
@@ -69,19 +70,18 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
         # or more of the same layers) costs what that one did: not traced again, but in the reference
         # plan (trace_layers = "all"), which traces everything.
         sig = stage_signature(part, layout.spec.layers_attr, sid == 0, sid == n_stages - 1)
-        if sig in measured and cfg.plan.trace_layers != "all":
+        if sid in read:
+            fm = None
+        elif sig in measured and cfg.plan.trace_layers != "all":
             fm = copy.deepcopy(measured[sig])
         else:
             with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
                 fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
             measured.setdefault(sig, fm)
             traced.append(sid)
+        if fm is not None:
+            fm["in_bytes"] = x.numel() * x.element_size() if sid != 0 else 0
         per_stage[sid] = fm
-        # Activations go forward to the next stage, their gradients come back (same size).
-        if sid != n_stages - 1:
-            p2p += [("send", fm["out_bytes"]), ("recv", fm["out_bytes"])]
-        if sid != 0:
-            p2p += [("recv", x.numel() * x.element_size()), ("send", x.numel() * x.element_size())]
     state = create_optimizer_state(built.model, opt)
     # The step's tail, as the trainer runs it: the loss summed over the pipeline and averaged over
     # data parallel, the grad norm (per placement group, then over the pipeline), the update.
@@ -98,7 +98,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels) -> dict:
         opt.step()
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
-    return {"per_stage": per_stage, "p2p": p2p, "state": state, "tail": tail_m, "stage_ids": list(built.stage_ids),
+    return {"per_stage": per_stage, "state": state, "tail": tail_m, "stage_ids": list(built.stage_ids),
             "stages_traced": traced,
             "buffers": sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers()),
             "params": sum(local_bytes(p) for part in built.parts for p in part.parameters()),
@@ -110,7 +110,7 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
     shapes) played through its row of the schedule's action order for the activations it holds at once."""
     dims, st = layout.dims, layout.stages
     sched, v, n_micro = st.schedule, st.per_rank, st.microbatches
-    per_stage, p2p, state, tail_m = meas["per_stage"], meas["p2p"], meas["state"], meas["tail"]
+    per_stage, state, tail_m = meas["per_stage"], meas["state"], meas["tail"]
     buffers, params, stage_ids = meas["buffers"], meas["params"], meas["stage_ids"]
     per_microbatch = reshard_after_forward(cfg, dims)
     mb = layout.local_batch * layout.accum // n_micro
@@ -126,6 +126,13 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
             add_comm(stage_comm[s], key, c, 1)
         flops += st["flops"] * n_micro
         ops += [(f * n_micro, b * n_micro, dt, k, fb * n_micro) for f, b, dt, k, fb in st["ops"]] + st["reduce_ops"]
+    # Activations go forward to the next stage, their gradients come back (same size).
+    p2p = []
+    for sid in stage_ids:
+        if sid != layout.stages.n_stages - 1:
+            p2p += [("send", per_stage[sid]["out_bytes"]), ("recv", per_stage[sid]["out_bytes"])]
+        if sid != 0:
+            p2p += [("recv", per_stage[sid]["in_bytes"]), ("send", per_stage[sid]["in_bytes"])]
     gathers = fsdp_gathers(sched, dims.pp, n_micro, v_multi, per_microbatch)
     comm = {}
     for kind, nbytes in p2p:

@@ -79,7 +79,9 @@ def job_key(run, job: tuple[int, int, int]) -> str:
     _, pp_rank, i = job
     t = run.traces[i]  # (its sets in order: a set of strings prints in another order in every process)
     trace = (t.keep and sorted(t.keep), t.stage_layers, t.coeff, t.stages and sorted(t.stages), t.work)
-    what = repr((code_version(model_file), traced_program(dataclasses.replace(run, cfg=cfg)), pp_rank, trace))
+    # (the stages this rank reads from another's trace are left out of its piece: dry_run.DryRun.reads)
+    read = sorted(run.reads.get(pp_rank, {})) if i < run.n_sampled else []
+    what = repr((code_version(model_file), traced_program(dataclasses.replace(run, cfg=cfg)), pp_rank, trace, read))
     return hashlib.sha256(what.encode()).hexdigest()
 
 
