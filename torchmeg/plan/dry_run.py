@@ -156,7 +156,7 @@ def _stages_read(layout: Layout, groups: dict[tuple, list[int]]) -> dict[int, di
     hold a middle stage like every stage of the ranks between). Ranks of fewer distinct stages are
     looked at first, so those are the ones that trace it."""
     st, owner, reads = layout.stages, {}, {}
-    if st is None or not all(groups) or not all(isinstance(s, tuple) for shape in groups for s in shape):
+    if st is None or not all(isinstance(s, tuple) for shape in groups for s in shape):  # (ranks traced alone)
         return reads
     for shape, g in sorted(groups.items(), key=lambda kv: (len(set(kv[0])), kv[1][0])):
         ids = pl.stage_ids(g[0], layout.dims.pp, st.per_rank, st.schedule)
