@@ -42,8 +42,9 @@ def cores_per_worker() -> int | None:
 # 30-step debug_llama runs side by side (as two workers run them), GOMP_SPINCOUNT=1000 for both:
 # 31.9 / 31.4 s at two threads each, 26.9 / 28.0 s at one (interleaved pairs). Set before torch is
 # imported, so this process reads it too; a count the user set is kept.
-if cores_per_worker() is not None:
-    os.environ.setdefault("OMP_NUM_THREADS", str(cores_per_worker()))
+_SHARE = cores_per_worker()
+if _SHARE is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_SHARE))
 
 import pytest  # noqa: E402
 

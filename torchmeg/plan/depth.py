@@ -63,23 +63,6 @@ def signature(block: nn.Module) -> tuple:
     return tuple(out)
 
 
-def stage_signature(part: nn.Module, layers_attr: str, first: bool, last: bool) -> tuple:
-    """What makes two pipeline stages of one rank cost the same (interleaved schedules give a middle rank
-    two or more stages of the same layers): `signature` of the stage's module with each layer named by
-    its place in the stage (the rest of the name is the same everywhere), and whether it is the first or
-    the last stage (they take tokens, or compute the loss). Recompute is in it: it wraps the block."""
-    layers = getattr(part, layers_attr, None)
-    place = {k: str(i) for i, k in enumerate(layers.keys())} if isinstance(layers, nn.ModuleDict) else {}
-    prefix = layers_attr + "."
-
-    def renamed(name: str) -> str:
-        if not name.startswith(prefix):
-            return name
-        key, dot, rest = name[len(prefix):].partition(".")
-        return prefix + place.get(key, key) + dot + rest
-    return first, last, tuple((renamed(name), *rest) for name, *rest in signature(part))
-
-
 def layer_kinds(whole: nn.Module, spec, cfg) -> dict[str, int] | None:
     """Layer key -> kind number, in the model's layer order; None when the model's layers are not a
     ModuleDict keyed by layer number (then it is traced whole)."""

@@ -59,8 +59,8 @@ class DryRun:
     groups: list[list[int]]  # pipeline ranks with the same stage shapes; the first is traced
     key: int = 0
     cached: int = 0  # jobs read from plan.trace_cache instead of traced (torchmeg.plan.trace_cache)
-    # A stage alike to one another group traces is not traced again: traced rank -> {stage: (the rank
-    # that traces it, its stage there)}, filled in by `finish` (the sampled traces only: not a fallback's)
+    # A stage alike to one traced elsewhere is not traced again: traced rank -> {stage: (the rank that
+    # traces it, its stage there)}, filled in by `finish` (the sampled traces only: not a fallback's)
     reads: dict = dataclasses.field(default_factory=dict)
     n_sampled: int = 0
 
@@ -75,15 +75,22 @@ class DryRun:
         st = self.layout.stages
         return pl.stage_ids(pp_rank, self.layout.dims.pp, st.per_rank, st.schedule) if st is not None else [0]
 
+    def read_stages(self, job: tuple[int, int, int]) -> list[int]:
+        """The stages a job leaves to another's trace (none in a fallback trace of every layer)."""
+        _, pp_rank, i = job
+        return sorted(self.reads.get(pp_rank, {})) if i < self.n_sampled else []
+
     def _piece(self, pieces: dict, rank: int, i: int) -> dict:
         """Trace i of this rank's group (its base where i adds nothing to its stages), with the stages it
-        did not trace taken from the rank that traced them."""
-        piece = pieces.get((self.key, rank, i), pieces[self.key, rank, 0])
+        did not trace taken from the trace that measured them (a stage is read only from where it was
+        measured, so that trace has it)."""
+        raw = lambda r: pieces.get((self.key, r, i), pieces[self.key, r, 0])  # noqa: E731
+        piece = raw(rank)
         if not self.reads.get(rank):
             return piece
         piece = dict(piece, per_stage=dict(piece["per_stage"]))
         for sid, (owner, owner_sid) in self.reads[rank].items():
-            piece["per_stage"][sid] = copy.deepcopy(self._piece(pieces, owner, i)["per_stage"][owner_sid])
+            piece["per_stage"][sid] = copy.deepcopy(raw(owner)["per_stage"][owner_sid])
         return piece
 
     def finish(self, pieces: dict, isolate: bool = False) -> list[dict]:
@@ -151,10 +158,10 @@ def _stage_shapes(layout: Layout, kinds: dict[str, int] | None, pp_rank: int) ->
 
 
 def _stages_read(layout: Layout, groups: dict[tuple, list[int]]) -> dict[int, dict[int, tuple[int, int]]]:
-    """Which traced rank reads which of its stages from another's trace: a stage alike to one a rank whose
-    stages are all of one shape traces (under an interleaved schedule the first and the last rank each
-    hold a middle stage like every stage of the ranks between). Ranks of fewer distinct stages are
-    looked at first, so those are the ones that trace it."""
+    """Which traced rank reads which of its stages from another trace: each stage shape is measured once
+    (under an interleaved schedule a middle rank holds two or more alike stages, and the first and the
+    last rank each hold a middle stage like theirs). Ranks of fewer distinct stages are looked at first,
+    so a middle rank measures the middle stage and the first and last ranks only their own."""
     st, owner, reads = layout.stages, {}, {}
     if st is None or not all(isinstance(s, tuple) for shape in groups for s in shape):  # (ranks traced alone)
         return reads
@@ -163,7 +170,7 @@ def _stages_read(layout: Layout, groups: dict[tuple, list[int]]) -> dict[int, di
         for sid, stage in zip(ids, shape):
             if stage not in owner:
                 owner[stage] = (g[0], sid)
-            elif owner[stage][0] != g[0]:
+            else:
                 reads.setdefault(g[0], {})[sid] = owner[stage]
     return reads
 
@@ -246,8 +253,7 @@ def _trace(job: tuple[int, int, int]) -> dict:
             if st is None:
                 return measure_step(cfg, layout, mesh, ep_mesh, labels, t.keep)
             lay = dataclasses.replace(layout, stages=dataclasses.replace(st, layers=t.stage_layers))
-            read = set(run.reads.get(pp_rank, {})) if i < run.n_sampled else set()
-            return measure_pipeline(cfg, lay, mesh, ep_mesh, labels, t.keep, read)
+            return measure_pipeline(cfg, lay, mesh, ep_mesh, labels, t.keep, set(run.read_stages(job)))
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,6 @@ FSDP gathers each stage.
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,6 @@ from torchmeg.observe.metrics import local_bytes
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.parallelize import reshard_after_forward
 from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak, simulate, torch_actions
-from torchmeg.plan.depth import stage_signature
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.step_cost import add_comm
 from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, router_stats, track_step
@@ -47,7 +45,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
     dim = layout.args.dim
     act_dtype = torch.bfloat16 if cfg.training.mixed_precision == "bf16" else torch.float32
     vocab = layout.args.vocab_size
-    per_stage, measured, traced = {}, {}, []
+    per_stage, traced = {}, []
     per_microbatch = reshard_after_forward(cfg, dims)  # FSDP regathers each stage per microbatch
     # DeepSeek-V3's MTP: every stage takes the tokens ahead; the embeddings of them travel with
     # the hidden state (models/deepseek_v3.py), (1 + depth) x its width between stages
@@ -66,22 +64,14 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
         if isinstance(last, GlobalTargetMean):
             last.scale = 1.0  # sft: as above
         # the schedule's loss on the last stage's vocab-sharded logits, as pipeline_step runs it
-        # A stage the same as one measured on this rank (an interleaved schedule's middle ranks hold two
-        # or more of the same layers) costs what that one did: not traced again, but in the reference
-        # plan (trace_layers = "all"), which traces everything.
-        sig = stage_signature(part, layout.spec.layers_attr, sid == 0, sid == n_stages - 1)
-        if sid in read:
-            fm = None
-        elif sig in measured and cfg.plan.trace_layers != "all":
-            fm = copy.deepcopy(measured[sig])
-        else:
-            with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
-                fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
-            measured.setdefault(sig, fm)
-            traced.append(sid)
-        if fm is not None:
-            fm["in_bytes"] = x.numel() * x.element_size() if sid != 0 else 0
+        if sid in read:  # (measured by another trace: dry_run.DryRun.reads)
+            per_stage[sid] = None
+            continue
+        with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
+            fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
+        fm["in_bytes"] = x.numel() * x.element_size() if sid != 0 else 0
         per_stage[sid] = fm
+        traced.append(sid)
     state = create_optimizer_state(built.model, opt)
     # The step's tail, as the trainer runs it: the loss summed over the pipeline and averaged over
     # data parallel, the grad norm (per placement group, then over the pipeline), the update.

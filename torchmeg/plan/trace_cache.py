@@ -5,10 +5,11 @@ or compile on or off, a search after a plan, the same plan later in the day.
 The key is what a trace depends on: the code that traces (a hash of every torchmeg source file, the
 source file of a model class from outside torchmeg, the versions of torch, torchao and transformers),
 the traced program (traced_program: the recipe as the dry run traces it and the layout), the pipeline
-rank and the trace itself (the layers it keeps, their split, the stages it leaves to another rank's
-trace), and plan.trace_layers (the reference traces alike stages again). Left out, because no trace
-reads them: the GPU and the rest of [plan] (the GPU enters only the time model), async TP (an inductor pass: the build on a fake world runs the same eager ops,
-and the time model reads the flag from the recipe) and compile and float8 emulation (the dry run traces
+rank and the trace itself (the layers it keeps, their split, the stages it leaves to another trace).
+Left out, because no trace reads them: the GPU and the rest of [plan] (the GPU enters only the time
+model; trace_layers decides the traces and the stages left, which are in the key), async TP (an
+inductor pass: the build on a fake world runs the same eager ops, and the time model reads the flag
+from the recipe) and compile and float8 emulation (the dry run traces
 eager, the GPU's float8 kernels: torchmeg.plan.dry_run.prepare sets both before anything is keyed).
 A file that cannot be read is a miss, never an error; a piece is written to a temporary file and
 renamed, so plans running side by side (CI's workers) never read half of one.
@@ -71,8 +72,6 @@ def job_key(run, job: tuple[int, int, int]) -> str:
     """The key of one job (plan key, pipeline rank, trace) of a prepared dry run."""
     cfg = copy.deepcopy(run.cfg)
     cfg.plan = type(cfg.plan)()
-    # (trace_layers decides the traces, which are below, and whether alike stages are traced once)
-    cfg.plan.trace_layers = run.cfg.plan.trace_layers
     cfg.parallelism.enable_async_tensor_parallel = False
     try:
         model_file = inspect.getsourcefile(run.layout.spec.cls)
@@ -81,9 +80,9 @@ def job_key(run, job: tuple[int, int, int]) -> str:
     _, pp_rank, i = job
     t = run.traces[i]  # (its sets in order: a set of strings prints in another order in every process)
     trace = (t.keep and sorted(t.keep), t.stage_layers, t.coeff, t.stages and sorted(t.stages), t.work)
-    # (the stages this rank reads from another's trace are left out of its piece: dry_run.DryRun.reads)
-    read = sorted(run.reads.get(pp_rank, {})) if i < run.n_sampled else []
-    what = repr((code_version(model_file), traced_program(dataclasses.replace(run, cfg=cfg)), pp_rank, trace, read))
+    # (the stages this rank reads from another trace are left out of its piece: dry_run.DryRun.reads)
+    what = repr((code_version(model_file), traced_program(dataclasses.replace(run, cfg=cfg)), pp_rank, trace,
+                 run.read_stages(job)))
     return hashlib.sha256(what.encode()).hexdigest()
 
 
