@@ -4,10 +4,12 @@ The cached decode is checked against recomputing the whole sequence, greedy gene
 transformers' own `generate` on the exported weights, TP2 against one process, and `torchmeg.eval`
 against the val_loss the run logged.
 """
+import gc
 import json
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -80,6 +82,26 @@ def test_sampled_generation_is_seeded_and_batch_independent():
     top1 = generate(model, prompts, 24, -1, Sampling(temperature=1.3, top_k=1, seed=9), "cpu")
     assert [x.tokens for x in top1] == [x.tokens for x in greedy]
     assert [x.tokens for x in a] != [x.tokens for x in greedy]  # sampling really sampled
+
+
+def test_a_dropped_cache_frees_its_buffers_at_once():
+    """A generation's KV cache goes with its last reference: no reference cycle between the cache
+    and its layers keeps every layer's K/V (GPU memory, in a server that runs one cache per request)
+    alive until the garbage collector runs. The collector is off here, so only reference counts free."""
+    from torchmeg.models.kv_cache import KVCache
+    model = _model("llama")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    gc.disable()
+    try:
+        cache = KVCache(1, 16)
+        with torch.no_grad():
+            model(prompt, positions=cache.positions(4), cache=cache)
+        buffers = [weakref.ref(layer.k) for layer in cache.layers.values()]
+        assert len(buffers) == model.args.n_layers and all(b() is not None for b in buffers)
+        del cache
+        assert all(b() is None for b in buffers), "a dropped KV cache still holds its layers' buffers"
+    finally:
+        gc.enable()
 
 
 def test_compiled_decode_compiles_once():

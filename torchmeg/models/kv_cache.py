@@ -17,6 +17,8 @@ compiles once.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -86,8 +88,15 @@ class LayerCache:
     """One attention layer's buffers."""
 
     def __init__(self, owner: KVCache):
-        self.owner = owner
+        # A weak reference: the owner holds its layers, and a layer that held its owner too made a
+        # reference cycle, so a finished generation's buffers (every layer's K/V, on the GPU) waited
+        # for the garbage collector instead of going when the cache did.
+        self._owner = weakref.ref(owner)
         self.k = self.v = None
+
+    @property
+    def owner(self) -> KVCache:
+        return self._owner()
 
     def update(self, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new keys/values at their slots -> every key/value the new queries may read."""
