@@ -98,8 +98,8 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
 def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list[dict]:
     """Pipeline ranks' steps from this rank's measured stages: every rank in pp_ranks (same stage
     shapes) played through its row of the schedule's action order for the activations it holds at once."""
-    dims, st = layout.dims, layout.stages
-    sched, v, n_micro = st.schedule, st.per_rank, st.microbatches
+    dims, stages = layout.dims, layout.stages
+    sched, v, n_micro = stages.schedule, stages.per_rank, stages.microbatches
     per_stage, state, tail_m = meas["per_stage"], meas["state"], meas["tail"]
     buffers, params, stage_ids = meas["buffers"], meas["params"], meas["stage_ids"]
     per_microbatch = reshard_after_forward(cfg, dims)
@@ -107,19 +107,20 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
     v_multi = v if sched not in pl.SINGLE else None
     actions = torch_actions(sched, dims.pp, n_micro, v_multi)
     flops, ops, stage_comm = 0, [], {}
-    for s, st in per_stage.items():
+    for s, measured in per_stage.items():
         # TP / CP / EP collectives run for every microbatch; FSDP's reduce once a step.
         stage_comm[s] = {}
-        for key, c in st["comm"].items():
+        for key, c in measured["comm"].items():
             add_comm(stage_comm[s], key, c, n_micro)
-        for key, c in st["reduce"].items():
+        for key, c in measured["reduce"].items():
             add_comm(stage_comm[s], key, c, 1)
-        flops += st["flops"] * n_micro
-        ops += [(f * n_micro, b * n_micro, dt, k, fb * n_micro) for f, b, dt, k, fb in st["ops"]] + st["reduce_ops"]
+        flops += measured["flops"] * n_micro
+        ops += [(f * n_micro, b * n_micro, dt, k, fb * n_micro) for f, b, dt, k, fb in measured["ops"]]
+        ops += measured["reduce_ops"]
     # Activations go forward to the next stage, their gradients come back (same size).
     p2p = []
     for sid in stage_ids:
-        if sid != layout.stages.n_stages - 1:
+        if sid != stages.n_stages - 1:
             p2p += [("send", per_stage[sid]["out_bytes"]), ("recv", per_stage[sid]["out_bytes"])]
         if sid != 0:
             p2p += [("recv", per_stage[sid]["in_bytes"]), ("send", per_stage[sid]["in_bytes"])]
@@ -139,17 +140,17 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
         mine = dict(zip(ids, (per_stage[s] for s in stage_ids)))  # same shapes, position by position
         rank_comm = {k: dict(c) for k, c in comm.items()}
         for s_rank, s_built in zip(ids, stage_ids):
-            st = per_stage[s_built]
+            measured = per_stage[s_built]
             n_root, n_blocks = gathers[pp_rank].get(s_rank, (0, 0))
-            for table, times in ((stage_comm[s_built], 1), (st["gather_root"], n_root),
-                                 (st["gather_blocks"], n_blocks)):
+            for table, times in ((stage_comm[s_built], 1), (measured["gather_root"], n_root),
+                                 (measured["gather_blocks"], n_blocks)):
                 for key, c in table.items() if times else ():
                     add_comm(rank_comm, key, c, times)
         peak = held_peak(actions[pp_rank], mine)
         # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
         # FSDP's gathered weights and unsharded accumulated gradients are held from a stage's first
         # microbatch to the step's reduce (an upper bound for the few actions before they exist).
-        kept = sum(st["kept"] for st in mine.values())
+        kept = sum(stage["kept"] for stage in mine.values())
         memory = {"Total": max(state + buffers + kept + peak, tail_m["memory"].get("Total", 0)), "Parameter": params,
                   "Gradient": params,  # fp32 gradients of every local parameter, held to the update
                   "Optstate": state - 2 * params, "Buffer": buffers}
