@@ -84,21 +84,31 @@ def test_sampled_generation_is_seeded_and_batch_independent():
     assert [x.tokens for x in a] != [x.tokens for x in greedy]  # sampling really sampled
 
 
-def test_a_dropped_cache_frees_its_buffers_at_once():
-    """A generation's KV cache goes with its last reference: no reference cycle between the cache
-    and its layers keeps every layer's K/V (GPU memory, in a server that runs one cache per request)
-    alive until the garbage collector runs. The collector is off here, so only reference counts free."""
+@pytest.mark.parametrize("cache", ["generate", "engine"])
+def test_a_dropped_cache_frees_its_buffers_at_once(cache):
+    """A KV cache goes with its last reference: `generate`'s (models.kv_cache) and the engine's slots
+    (batching.slots, what serving and GRPO's rollout run). A reference cycle between a cache and its
+    layers kept every layer's K/V until the garbage collector ran: GRPO's rollout held it through the
+    old policy's and the reference's log-prob forwards after it (12% of the debug recipe's rollout
+    peak, tests/test_plan_post_training.py). The collector is off here: only reference counts free."""
+    from torchmeg.batching.runner import ModelRunner
+    from torchmeg.batching.scheduler import Plan
     from torchmeg.models.kv_cache import KVCache
     model = _model("llama")
-    prompt = torch.tensor([[5, 6, 7, 8]])
     gc.disable()
     try:
-        cache = KVCache(1, 16)
         with torch.no_grad():
-            model(prompt, positions=cache.positions(4), cache=cache)
-        buffers = [weakref.ref(layer.k) for layer in cache.layers.values()]
+            if cache == "generate":
+                owner = KVCache(1, 16)
+                model(torch.tensor([[5, 6, 7, 8]]), positions=owner.positions(4), cache=owner)
+            else:
+                runner = ModelRunner(model, "cpu", 2, 16)
+                runner.forward(Plan(prefill=[(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])]))
+                owner = runner.cache
+                del runner
+        buffers = [weakref.ref(layer.k) for layer in owner.layers.values()]
         assert len(buffers) == model.args.n_layers and all(b() is not None for b in buffers)
-        del cache
+        del owner
         assert all(b() is None for b in buffers), "a dropped KV cache still holds its layers' buffers"
     finally:
         gc.enable()

@@ -114,6 +114,28 @@ def test_large_recipes_need_the_users_tokenizer_and_data():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--parallelism.data_parallel_shard_degree=2"],
+                                    ["--parallelism.tensor_parallel_degree=2"],
+                                    ["--parallelism.pipeline_parallel_degree=2"]], ids=["fsdp2", "tp2", "pp2"])
+def test_the_plan_traces_the_update_a_gpu_runs(layout, tmp_path, monkeypatch):
+    """torch's AdamW, left to choose (the trainer leaves it), runs its multi-tensor update when the
+    parameters are on a GPU and its loop over parameters on a CPU, where the plan's fake parameters
+    are: the plan traces the GPU's (plan.trace_step.gpu_optimizer), under FSDP's, TP's and a pipeline
+    stage's parameters. Each traced step (a forked child) writes down which update ran."""
+    import torch.optim.adam as adam
+    from torchmeg.plan.planner import plan
+    ran = tmp_path / "ran"
+    for name in ("_multi_tensor_adam", "_single_tensor_adam"):
+        def note(*a, _real=getattr(adam, name), _name=name, **k):
+            with open(ran, "a") as fh:
+                fh.write(_name + "\n")
+            return _real(*a, **k)
+        monkeypatch.setattr(adam, name, note)
+    plan(load_config(RECIPE, layout), 2, "h100", isolate=True)
+    assert set(ran.read_text().split()) == {"_multi_tensor_adam"}
+
+
+@pytest.mark.slow
 def test_plan_refuses_a_layout_that_does_not_divide():
     p = _plan(["--config", RECIPE, "--world", "3", "--parallelism.tensor_parallel_degree=2"], timeout=60)
     assert p.returncode == 2

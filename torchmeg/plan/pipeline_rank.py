@@ -21,9 +21,9 @@ from torchmeg.parallel.parallelize import reshard_after_forward
 from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak, simulate, torch_actions
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.step_cost import add_comm
-from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, router_stats, track_step
+from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, gpu_optimizer, router_stats, track_step
 from torchmeg.train.build import GlobalTargetMean, loss_function, takes_sharded_logits
-from torchmeg.train.optim import build_optimizer, grad_norm
+from torchmeg.train.optim import grad_norm
 
 
 def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep, read=frozenset()) -> dict:
@@ -32,7 +32,7 @@ def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep, read=froz
     measures (dry_run.DryRun.reads): built, not measured here (None in per_stage)."""
     built, fake = build(cfg, layout, mesh, ep_mesh, keep)
     with fake:
-        opt = build_optimizer(built.model, cfg)
+        opt = gpu_optimizer(built.model, cfg)
         return measure_stages(cfg, layout, mesh, built, opt, labels, read)
 
 

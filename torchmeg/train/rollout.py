@@ -140,4 +140,9 @@ def longest_prefill(model, device, rows: int, prompts: int, prompt_len: int, max
         with on_values():
             return bind(*args)
     runner.cache.bind_packed = bind_on_values
-    runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(prompts)]))
+    try:
+        runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(prompts)]))
+    finally:
+        # The wrapper holds the cache's own method: kept on the cache, a reference cycle that kept the
+        # cache (every layer's K/V) alive past this call, where generate's engine frees it.
+        del runner.cache.bind_packed
