@@ -265,7 +265,7 @@ TABLES = [r for r in RUNS if ("(Table" in r[0] or "A100" in r[0]) and "(Table 6)
 # 1F1B planned 86.5 GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 82.5): the plan holds the
 # same weights, accumulated gradients and as many microbatch-layers in flight on ranks 0-3 for both
 # schedules, and the source does not say what the run did differently. Tokens/s: CP 4 and 8 predict
-# 1.22x / 1.28x: at 32k tokens a rank torch's CP attention runs pieces of the same shapes at every degree,
+# 1.23x / 1.28x: at 32k tokens a rank torch's CP attention runs pieces of the same shapes at every degree,
 # their number and the K/V they exchange growing linearly with it; the published step times do not (x2.37
 # from CP 2 to CP 4).
 MEMORY_MISS = {"torchtitan 405B 3D, Interleaved 1F1B (Table 5)"}

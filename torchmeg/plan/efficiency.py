@@ -31,8 +31,8 @@ end to end         what no kernel benchmark shows -- kernels slowed by the colle
                     is not among those the prediction is checked against: Trainy's Llama 3.1 8B, FSDP 32,
                     compile + float8, local batch 2, torchtitan's per-op recompute, on 32 H200 at 10,938
                     tokens/s per GPU (torchtitan benchmarks/llama3-8b_h200_202506_trainy-whitefiber.md):
-                    a step of 16,384 / 10,938 = 1.498 s where the kernel-level compute sums to 1.143 s
-                    (its FSDP traffic, 1.17 s at 80% of 400 Gb/s, hides under it): 1.143 / 1.498 = 0.76.
+                    a step of 16,384 / 10,938 = 1.498 s where the kernel-level compute sums to 1.138 s
+                    (its FSDP traffic, 1.17 s at 80% of 400 Gb/s, hides under it): 1.138 / 1.498 = 0.76.
                     `python tools/plan_vs_published.py` prints that row and the held-out ones
                     (torchtitan's 8B eager / compile / float8 on H100), which tests/test_plan_predict.py
                     checks within 15%.
