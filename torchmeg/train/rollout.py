@@ -143,6 +143,7 @@ def longest_prefill(model, device, rows: int, prompts: int, prompt_len: int, max
     try:
         runner.forward(Plan(prefill=[(i, 0, [runner.filler] * prompt_len) for i in range(prompts)]))
     finally:
-        # The wrapper holds the cache's own method: kept on the cache, a reference cycle that kept the
-        # cache (every layer's K/V) alive past this call, where generate's engine frees it.
+        # The wrapper holds the cache's own method: left on the cache, a reference cycle that kept the
+        # cache (every layer's K/V) alive past this call, where the trainer's rollout frees its engine's
+        # cache as the rollout ends (generate's `del engine`).
         del runner.cache.bind_packed
