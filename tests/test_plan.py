@@ -67,11 +67,7 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     assert any(c["count"] for r in plan["ranks"] for c in r["comm"].values())
 
 
-def _recipes():
-    return sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml")))
-
-
-RECIPES = _recipes()
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.toml")))
 
 
 @pytest.mark.slow
@@ -104,7 +100,7 @@ def test_the_gpu_recipes_name_the_world_they_are_planned_at():
 def test_large_recipes_need_the_users_tokenizer_and_data():
     """The GPU recipes name a tokenizer and corpus the user supplies: without them, one line naming
     data.tokenizer; the planner needs neither."""
-    for path in _recipes():
+    for path in RECIPES:
         cfg = load_config(path)
         if cfg.data.tokenizer == "byte":
             continue

@@ -125,13 +125,17 @@ def gpu_optimizer(model, cfg):
     with one temporary the size of all of them) when every parameter is a plain tensor, a Parameter or
     a DTensor on a GPU; the loop over parameters on a CPU. The plan's fake parameters are on the CPU,
     so the choice a GPU makes is set here: traced on the CPU's default, the plan timed the per-parameter
-    loop a GPU never runs (3-4% of the 8B's and gpt-oss-20b's predicted step). A parameter outside
-    a DTensor is a FakeTensor here: the plain tensor it stands for."""
+    loop a GPU never runs (3-4% of the 8B's and gpt-oss-20b's predicted step). torch's rule as its
+    adam() applies it: only when neither foreach nor fused was set, never differentiable, and not for a
+    tensor learning rate without capturable. A parameter outside a DTensor is a FakeTensor here: the
+    plain tensor it stands for."""
     opt = build_optimizer(model, cfg)
     if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
         for g in opt.param_groups:
-            if g["foreach"] is None and not g["fused"] and not g["differentiable"]:
-                g["foreach"] = all(type(p) in _foreach_supported_types or type(p) is FakeTensor for p in g["params"])
+            if g["foreach"] is None and g["fused"] is None:
+                tensor_lr = isinstance(g["lr"], torch.Tensor) and not g["capturable"]
+                on_gpu = all(type(p) in _foreach_supported_types or type(p) is FakeTensor for p in g["params"])
+                g["foreach"] = not g["differentiable"] and not tensor_lr and on_gpu
     return opt
 
 
