@@ -9,11 +9,11 @@ group is recorded against the test phase that started it:
   already; only what a failure or a timeout left behind is killed;
 - a fixture's setup (a server a module's tests share): killed if the setup fails, else left to the
   fixture's own teardown; whatever is still alive when the session ends is killed then.
-The test zygotes (conftest._Zygote: fork servers kept for the whole session) are started under
+The test zygotes (launch.Zygote: fork servers kept for the whole session) are started under
 `keep()` and are not recorded; torch's inductor compile-worker pool is torch's own and kept too.
 
 A process a test waits for is bounded by the test's own time (`bound`): the helpers' timeouts
-(conftest.run_cli and the launches under it, subprocess.run) are floors, raised to what is left of the
+(launch.run_cli and the launches under it, subprocess.run) are floors, raised to what is left of the
 test's pytest-timeout less a margin, so a run slowed by a busy machine fails only when the test itself
 would, and then with its output (CI's 120 s bound on a cold compile beside another worker's tests
 failed a green run).

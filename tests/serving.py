@@ -11,7 +11,7 @@ import time
 
 import openai
 
-from conftest import _free_port, _start
+from launch import free_port, start
 
 PROMPTS = ["def fibonacci(n):", "import os", "class Parser:\n    def __init__(self, text"]
 SAMPLED = dict(temperature=0.9, top_p=0.9, seed=3)
@@ -23,18 +23,18 @@ class Server:
     def __init__(self, run_dir, extra=(), nproc=1, recipe=None, rank_env=None):
         """recipe: serve that recipe (a converted release's) as it stands instead of the debug run;
         rank_env: {rank: more environment} (test hooks for one rank)."""
-        self.port, self.logs = _free_port(), tempfile.mkdtemp(prefix="torchmeg-serve-")
+        self.port, self.logs = free_port(), tempfile.mkdtemp(prefix="torchmeg-serve-")
         what = ["--config", str(recipe)] if recipe else [
             "--config", "recipes/debug_llama.toml", f"--job.dump_folder={run_dir}", "--job.name=debug",
             "--data.chat_template=chatml"]
         cmd = [sys.executable, "-m", "torchmeg.serve", *what, "--port", str(self.port)] + list(extra)
-        env, master = dict(os.environ, PYTHONUNBUFFERED="1"), str(_free_port())
+        env, master = dict(os.environ, PYTHONUNBUFFERED="1"), str(free_port())
         self.procs = []
         for r in range(nproc):
             e = env if nproc == 1 else dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc),
                                             LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                                             MASTER_PORT=master, OMP_NUM_THREADS="1", **(rank_env or {}).get(r, {}))
-            self.procs.append(_start(cmd, e, os.path.join(self.logs, f"{r}.out"), os.path.join(self.logs, f"{r}.err")))
+            self.procs.append(start(cmd, e, os.path.join(self.logs, f"{r}.out"), os.path.join(self.logs, f"{r}.err")))
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.time() + 90
         while True:

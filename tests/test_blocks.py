@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import FP32_PARITY, ROOT
+from conftest import FP32_PARITY
+from launch import ROOT
 from torchmeg.models.blocks import blocks, find_blocks
 
 

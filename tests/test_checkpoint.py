@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from conftest import (FP32_PARITY, ROOT, TINY, _free_port, assert_close, assert_tensor_close, read_metrics, rel_diff,
-                      run_cli)
+from conftest import FP32_PARITY, TINY, assert_close, assert_tensor_close, read_metrics, rel_diff
+from launch import ROOT, free_port, run_cli
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=4",
@@ -333,7 +333,7 @@ def test_checkpoint_exchanges_start_no_second_openmp_team(how, tmp_path):
     The unguarded exchange shows the test can see a team start (one more thread)."""
     if (os.cpu_count() or 1) < 2:
         pytest.skip("needs two cores for a two-thread team")
-    p = subprocess.run([sys.executable, "-c", OMP_TEAMS, str(tmp_path), str(_free_port()), how], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-c", OMP_TEAMS, str(tmp_path), str(free_port()), how], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     before, after, n = map(int, p.stdout.splitlines()[-1].split())

@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from conftest import FP32_PARITY, reference_run, assert_parity as compare, assert_tensor_close, TINY, LOW_PRECISION_VS_FP32, read_metrics, run_cli
+from conftest import FP32_PARITY, reference_run, assert_parity as compare, assert_tensor_close, TINY, LOW_PRECISION_VS_FP32, read_metrics
+from launch import run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.parallel.recompute import apply_recompute

@@ -7,7 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, reference_run, TINY, assert_parity, read_metrics, run_cli
+from conftest import FP32_PARITY, reference_run, TINY, assert_parity, read_metrics
+from launch import ROOT, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 from torchmeg.parallel.context import positions, shard_sequence
@@ -150,12 +151,12 @@ def test_recompute_drops_the_gathered_kv(tmp_path):
     (which gathers nothing); with the K/V on the autograd ctx they added 4 layers' K/V more (1 MiB
     each here). Measured with the planner's fake-tensor step (the real run's tracker agrees to the
     byte: tests/test_plan.py)."""
-    from conftest import _run_one
+    from launch import run_one
     held = {}
     for mode in ("allgather", "alltoall"):
         for n in (4, 8):
             out = tmp_path / f"{mode}{n}.json"
-            p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", "debug_llama.toml"),
+            p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", "debug_llama.toml"),
                           "--world", "2", "--json", str(out), "--parallelism.context_parallel_degree=2",
                           f"--parallelism.context_parallel_mode={mode}", "--activation_checkpoint.mode=full",
                           "--data.seq_len=1024", "--training.local_batch_size=1", "--data.document_masking=false",

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import FP32_PARITY, _run_one, assert_parity, assert_tensor_close, read_metrics, rel_diff, run_cli
+from conftest import FP32_PARITY, assert_parity, assert_tensor_close, read_metrics, rel_diff
+from launch import run_one, run_cli
 
 ORIGINAL = 16  # the rope's pretraining context in these configs: every test runs past it
 
@@ -63,7 +64,7 @@ def _hf_folder(path, kind: str, **extra):
 
 
 def _convert(*args, check=True):
-    p = _run_one([sys.executable, "-m", "torchmeg.convert", *map(str, args)], dict(os.environ), 120)  # (the zygote's fork)
+    p = run_one([sys.executable, "-m", "torchmeg.convert", *map(str, args)], dict(os.environ), 120)  # (the zygote's fork)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p
@@ -103,7 +104,7 @@ def test_from_hf_gives_transformers_logits_and_greedy_tokens(kind, tmp_path):
             for layer in m.layers.values():
                 layer.attention.sinks.weight.fill_(-1e4)
             assert (m(x) - want).abs().max() > 100 * FP32_PARITY * want.abs().max()
-    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
+    p = run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
                         "--prompt", "def main(argv):", "--prompt", "x", "--max-new-tokens", "48", "--ignore-eos",
                         "--json"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -183,10 +184,10 @@ def test_from_hf_under_torchrun_shares_the_tensors_out(tmp_path):
     """Two ranks convert, each its share of the tensors into its own files: the checkpoint holds the
     same tensors as a one-process conversion, and every rank wrote a part of it."""
     import torch.distributed.checkpoint as dcp
-    from conftest import _launch_ranks
+    from launch import launch_ranks
     _hf_folder(tmp_path / "hf", "qwen3")
     _convert("from-hf", tmp_path / "hf", "--out", tmp_path / "one")
-    p = _launch_ranks([sys.executable, "-m", "torchmeg.convert", "from-hf", str(tmp_path / "hf"), "--out",
+    p = launch_ranks([sys.executable, "-m", "torchmeg.convert", "from-hf", str(tmp_path / "hf"), "--out",
                        str(tmp_path / "two")], 2, dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     two, one = (tmp_path / d / "checkpoint" / "step-00000000" for d in ("two", "one"))

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from launch import ROOT
 
 pytestmark = pytest.mark.slow
 CORE_ONLY = os.path.join(ROOT, "tests", "core_only")

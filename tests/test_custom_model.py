@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from conftest import FP32_PARITY, ROOT
+from conftest import FP32_PARITY
+from launch import ROOT
 
 
 @pytest.mark.slow

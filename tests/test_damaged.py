@@ -10,7 +10,8 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, read_metrics, run_cli
+from conftest import TINY, read_metrics
+from launch import ROOT, run_cli
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=8", "--training.deterministic=true", "--checkpoint.enable=true",

@@ -4,7 +4,8 @@ layout equals one process (the parity rule). transformers' logits and tokens: te
 import pytest
 import torch
 
-from conftest import BF16_U, FP32_PARITY, assert_parity, assert_tensor_close, read_metrics, reference_run, run_cli
+from conftest import BF16_U, FP32_PARITY, assert_parity, assert_tensor_close, read_metrics, reference_run
+from launch import run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.models.kv_cache import KVCache

@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 
-from conftest import ROOT
+from launch import ROOT
 from torchmeg.config.schema import load_config, sections
 
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from launch import ROOT
 
 DOCS = ["README.md"] + sorted(glob.glob("docs/*.md", root_dir=ROOT))
 

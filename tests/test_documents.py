@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, _launch_ranks, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import FP32_PARITY, TINY, assert_parity, assert_tensor_close, read_metrics
+from launch import ROOT, launch_ranks, run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.data.dataset import IGNORE, PackedWindows, Shuffled, TokenDataset
 from torchmeg.data.shuffle import Permutation
@@ -178,7 +179,7 @@ def test_packed_documents_equal_each_document_alone(layout):
     within the fp32 parity rule (conftest: relative 1e-5; sums in another order). Without masking the packed row is a
     different computation (loss differences of ~1), so the check sees the masking."""
     from doc_mask_worker import LAYOUTS as WORKER
-    p = _launch_ranks([sys.executable, "tests/doc_mask_worker.py", layout], WORKER[layout][0], dict(os.environ), 120)
+    p = launch_ranks([sys.executable, "tests/doc_mask_worker.py", layout], WORKER[layout][0], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["max_rel_diff"] <= FP32_PARITY and r["dense_diff"] > 0.1, r

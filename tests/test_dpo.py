@@ -9,7 +9,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, read_metrics, reference_run
+from launch import run_cli
 
 DPO = TINY + ["--training.objective=dpo", "--data.dataset=python_stdlib_pairs", "--data.chat_template=chatml",
               "--data.seq_len=384", "--training.steps=4", "--training.deterministic=true",

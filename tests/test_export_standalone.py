@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, _run_one, byte_level_bpe, run_cli
+from conftest import FP32_PARITY, TINY, byte_level_bpe
+from launch import ROOT, run_one, run_cli
 
 DOCS = ["one two three.", "red green blue.", "cat dog bird.", "sun moon star."]
 PROMPTS = ["one two", "red", "sun moon", "ünï ✓"]
@@ -22,7 +23,7 @@ FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_c
 
 def _tool(*args) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *map(str, args)]  # (`-m` commands: a fork of the suite's zygote)
-    p = _run_one(cmd, dict(os.environ), 120) if args[0] == "-m" else \
+    p = run_one(cmd, dict(os.environ), 120) if args[0] == "-m" else \
         subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     return p

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import ROOT, TINY, _run_one, assert_close, assert_parity, read_metrics, run_cli
+from conftest import TINY, assert_close, assert_parity, read_metrics
+from launch import ROOT, run_one, run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.config.errors import ConfigError
 from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
@@ -266,7 +267,7 @@ def test_planner_accounts_for_the_fused_head(tmp_path):
         recipe = tmp_path / f"r{fused}.toml"
         recipe.write_text(text)
         out = tmp_path / f"p{fused}.json"
-        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", str(recipe), "--json", str(out)],
+        p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", str(recipe), "--json", str(out)],
                      dict(os.environ), 120)
         assert p.returncode == 0, p.stderr[-3000:]
         peaks[fused] = json.loads(out.read_text())["ranks"][0]["peak_bytes"]

@@ -14,7 +14,8 @@ import weakref
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, _launch_ranks, _run_one, assert_close, assert_tensor_close, read_metrics, rel_diff, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_tensor_close, read_metrics, rel_diff
+from launch import ROOT, launch_ranks, run_one, run_cli
 from torchmeg.config.schema import load_config
 from torchmeg.batching.generation import Sampling, decode_one, generate, sample
 from torchmeg.models import build_model, materialize
@@ -138,9 +139,9 @@ def test_compiled_decode_compiles_once():
 def _generate(args, env=None, nproc=1, check=True):
     cmd = [sys.executable, "-m", "torchmeg.generate"] + args + ["--json"]
     if nproc > 1:
-        p = _launch_ranks(cmd, nproc, dict(os.environ, **(env or {})), timeout=120)
+        p = launch_ranks(cmd, nproc, dict(os.environ, **(env or {})), timeout=120)
     else:
-        p = _run_one(cmd, dict(os.environ, **(env or {})), 120)
+        p = run_one(cmd, dict(os.environ, **(env or {})), 120)
     if check:
         assert p.returncode == 0, p.stderr[-3000:]
     return p, [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
@@ -238,20 +239,20 @@ def test_eval_reproduces_the_logged_val_loss(debug_run):
     logged = [r for r in read_metrics(debug_run, "debug") if "val_loss" in r][-1]
     base = [sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
             f"--job.dump_folder={debug_run}", "--job.name=debug", "--json"]
-    p = _run_one(base + ["--steps", "4"], dict(os.environ), 120)
+    p = run_one(base + ["--steps", "4"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     one = json.loads(p.stdout.splitlines()[-1])
     assert one["loss"] == logged["val_loss"] and one["step"] == 30 and one["windows"] == 32
-    p = _launch_ranks(base + ["--steps", "4", "--parallelism.tensor_parallel_degree=2"], 2, dict(os.environ), 120)
+    p = launch_ranks(base + ["--steps", "4", "--parallelism.tensor_parallel_degree=2"], 2, dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     tp = json.loads(p.stdout.splitlines()[-1])
     assert_close(tp["loss"], logged["val_loss"], FP32_PARITY, "TP2 eval loss")
     assert tp["layout"] == "world 2: tp=2"
     # The fused head + loss (its own sums, in chunks): fp32 reordering, the parity rule.
-    p = _run_one(base + ["--steps", "4", "--training.fused_linear_cross_entropy=true"], dict(os.environ), 120)
+    p = run_one(base + ["--steps", "4", "--training.fused_linear_cross_entropy=true"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert_close(json.loads(p.stdout.splitlines()[-1])["loss"], logged["val_loss"], FP32_PARITY, "fused eval loss")
-    p = _run_one(base, dict(os.environ), 120)
+    p = run_one(base, dict(os.environ), 120)
     whole = json.loads(p.stdout.splitlines()[-1])
     assert whole["windows"] > one["windows"] and rel_diff(whole["perplexity"], math.exp(whole["loss"])) < 1e-12
     # bits per byte: the byte tokenizer's labels are bytes except end-of-document, so just above loss / ln 2

@@ -5,7 +5,8 @@ tokens, and MXFP4 / FP8 folders: tests/test_convert.py, tests/test_hf_quant.py."
 import pytest
 import torch
 
-from conftest import FP32_PARITY, assert_parity, assert_tensor_close, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, assert_parity, assert_tensor_close, read_metrics, reference_run
+from launch import run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.models import build_model, init_weights
 from torchmeg.models.kv_cache import KVCache

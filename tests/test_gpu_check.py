@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, own_tmp
+from launch import ROOT, own_tmp
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import gpu_check  # noqa: E402  (tools/, put on the path above)

@@ -12,7 +12,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, assert_tensor_close, read_metrics, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, assert_tensor_close, read_metrics
+from launch import run_cli
 from torchmeg.kernels.fused_ce import IGNORE
 from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows, advantages, importance_ratio
 

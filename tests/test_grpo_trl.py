@@ -34,7 +34,8 @@ import os
 import pytest
 import torch
 
-from conftest import assert_close, byte_level_bpe, read_metrics, run_cli
+from conftest import assert_close, byte_level_bpe, read_metrics
+from launch import run_cli
 
 pytestmark = pytest.mark.slow
 

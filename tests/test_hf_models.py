@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, _launch_ranks, assert_close, assert_tensor_close, read_metrics, run_cli
+from conftest import FP32_PARITY, assert_close, assert_tensor_close, read_metrics
+from launch import ROOT, launch_ranks, run_cli
 
 # Three families with different module trees and TP plans: Llama, Qwen3 (per-head q/k norms whose
 # weights need a TP gradient all-reduce), Mistral (sliding-window attention config); tiny configs
@@ -21,10 +22,9 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_la
 
 def _worker(nproc: int, families: list[str], layouts: list[str]) -> dict:
     import sys
-    from conftest import ROOT, _launch_ranks
     cmd = [sys.executable, os.path.join(ROOT, "tests", "hf_parity_worker.py"), "--families", ",".join(families),
            "--layouts", ",".join(layouts)]
-    p = _launch_ranks(cmd, nproc, dict(os.environ, PYTHONPATH=ROOT), timeout=240)
+    p = launch_ranks(cmd, nproc, dict(os.environ, PYTHONPATH=ROOT), timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == len(families) * len(layouts), p.stdout[-2000:]

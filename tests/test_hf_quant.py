@@ -141,7 +141,7 @@ def _peak_rss_mib(folder, out) -> float:
     """The conversion's peak resident memory (MiB), in a fresh interpreter."""
     import subprocess
     import sys
-    from conftest import ROOT
+    from launch import ROOT
     code = ("import resource, sys; from torchmeg.checkpoint.convert import main; rc = main(sys.argv[1:]); "
             "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024); sys.exit(rc)")
     p = subprocess.run([sys.executable, "-c", code, "from-hf", str(folder), "--out", str(out), "--dtype", "float32"],

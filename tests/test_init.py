@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from conftest import ROOT
+from launch import ROOT
 from torchmeg.models.init import Constant, Normal, fill_block_, open_uniform, standard_normal
 
 

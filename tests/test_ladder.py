@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from conftest import read_metrics, run_cli
+from conftest import read_metrics
+from launch import run_cli
 
 SMALL = ["--data.dataset=python_stdlib", "--data.tokenizer=byte", "--model.vocab_size=-1",
          "--validation.enable=false", "--checkpoint.enable=false", "--metrics.enable_tensorboard=false",

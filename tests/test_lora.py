@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, TINY, _run_one, assert_parity, assert_resumed, assert_tensor_close, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, assert_parity, assert_resumed, assert_tensor_close, read_metrics, reference_run
+from launch import ROOT, run_one, run_cli
 
 # A learning rate at which the adapters move well away from zero within a few steps (B starts at 0).
 LORA = TINY + ["--lora.enable=true", "--lora.rank=8", "--lora.alpha=16", "--optimizer.lr=1e-2",
@@ -134,12 +135,12 @@ def test_peft_loads_the_adapters_with_torchmegs_logits(tmp_path):
     recipe.write_text('[lora]\nenable = true\nrank = 8\nalpha = 16.0\n[model]\ndim = 64\nn_layers = 2\nn_heads = 4\n'
                       'n_kv_heads = 2\nmultiple_of = 64\n')
     for out, extra in (("hf", []), ("merged", ["--merge-lora"])):
-        p = _run_one([sys.executable, "-m", "torchmeg.convert", "to-hf", str(ckpt), "--config", str(recipe),
+        p = run_one([sys.executable, "-m", "torchmeg.convert", "to-hf", str(ckpt), "--config", str(recipe),
                       "--out", str(tmp_path / out)] + extra, dict(os.environ), 120)
         assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())["r"] == 8
     # generating from the checkpoint without [lora] would run the base alone: refused in one line
-    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
+    p = run_one([sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
                   f"--job.dump_folder={tmp_path}", "--job.name=run",
                   "--prompt", "x", "--max-new-tokens", "2"] + [a for a in TINY if a.startswith("--model.")],
                  dict(os.environ), 120)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from host_reads import HostReads
-from conftest import ROOT, FP32_PARITY, _launch_ranks, assert_close, reference_run, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import FP32_PARITY, assert_close, reference_run, assert_parity, assert_tensor_close, read_metrics
+from launch import ROOT, launch_ranks, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 from torchmeg.models import active_params, build_model, count_params, flops_per_token, init_weights
@@ -164,7 +165,7 @@ def _periodic_store(tmp_path) -> str:
     windows of seq 32 at stride 32, no BOS): microbatches are then identical to each other."""
     import subprocess
     import sys
-    from conftest import ROOT
+    from launch import ROOT
     sentence = "The quick brown fox jumps over. "
     assert len(sentence) == 32
     (tmp_path / "rep.txt").write_text(sentence * 800)
@@ -240,7 +241,7 @@ def test_expert_parallel_host_reads():
     token counts (sent and received, one tensor) once in forward and never in backward; the grouped
     matmul on the received tokens takes its offsets on the device. (The per-expert loop it replaced
     read three times per layer.) With a capacity factor: none at all (below)."""
-    p = _launch_ranks([sys.executable, os.path.join(ROOT, "tests", "ep_sync_worker.py")], 2,
+    p = launch_ranks([sys.executable, os.path.join(ROOT, "tests", "ep_sync_worker.py")], 2,
                       dict(os.environ, PYTHONUNBUFFERED="1"), timeout=90)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])

@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, _free_port, assert_parity, read_metrics, run_cli
+from conftest import TINY, assert_parity, read_metrics
+from launch import ROOT, free_port, run_cli
 
 ARGS = TINY + ["--training.steps=20", "--training.deterministic=true", "--training.global_batch_size=8",
                "--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=0"]
@@ -22,7 +23,7 @@ HSDP = ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_
 
 
 def _port() -> int:
-    return _free_port()
+    return free_port()
 
 
 def _agent(node: int, out, port: int, extra=(), env=None, nnodes=2, rdzv_conf=None) -> subprocess.Popen:

@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ROOT, TINY, assert_parity, assert_resumed, read_metrics, reference_run, run_cli
+from conftest import TINY, assert_parity, assert_resumed, read_metrics, reference_run
+from launch import ROOT, run_cli
 from test_lora import _checkpoint_tensors
 from test_plan import _plan
 from torchmeg.config.schema import load_config

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conftest import LOW_PRECISION_VS_FP32, TINY, assert_parity, read_metrics, run_cli
+from conftest import LOW_PRECISION_VS_FP32, TINY, assert_parity, read_metrics
+from launch import run_cli
 from test_compiler import _float8_fqns
 from test_plan import _plan
 from torchmeg.parallel.mxfp8 import torch_has_mx_training

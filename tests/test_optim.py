@@ -152,7 +152,8 @@ def test_bf16_states_train_like_float32_states(name, tmp_path):
     float32 states'. (The states' rounding, 2^-8 relative, perturbs each update by about that much; the
     trajectories part, their level does not: measured 0.4% (AdamW) and 0.03% (Muon) at step 50, where
     AdamW and Muon themselves differ by 20% at this rate.) The checkpoint holds the moments in bf16."""
-    from conftest import TINY, read_metrics, run_cli
+    from conftest import TINY, read_metrics
+    from launch import run_cli
     from test_lora import _checkpoint_tensors
     base = TINY + [f"--optimizer.name={name}", "--optimizer.lr=1e-2", "--training.steps=50",
                    "--validation.enable=false", "--checkpoint.enable=true", "--checkpoint.interval=50"]
@@ -175,7 +176,8 @@ def test_a_stable_checkpoint_resumes_into_a_decay_of_another_length(tmp_path):
     equals a run planned that way from the start, step for step (weights, optimizer state and data
     position taken as they were)."""
     import shutil
-    from conftest import TINY, assert_parity, read_metrics, run_cli
+    from conftest import TINY, assert_parity, read_metrics
+    from launch import run_cli
     base = TINY + ["--training.deterministic=true", "--lr_scheduler.decay_type=linear", "--checkpoint.enable=true",
                    "--checkpoint.keep_latest_k=0", "--validation.enable=false"]
     run_cli(base + ["--training.steps=12", "--lr_scheduler.decay_steps=4", "--checkpoint.interval=6"], tmp_path,
@@ -202,7 +204,8 @@ def test_resume_takes_the_state_into_new_groups_and_refuses_another_optimizers(t
     """The optimizer state is loaded by parameter name into the groups the recipe makes now: a resume may
     change weight_decay_exempt or the states' dtype (reported); one whose optimizer keeps other state
     (adamw -> muon) is refused in one line naming the key and both ways forward."""
-    from conftest import TINY, run_cli
+    from conftest import TINY
+    from launch import run_cli
     base = TINY + ["--validation.enable=false", "--checkpoint.enable=true", "--checkpoint.interval=2"]
     run_cli(base + ["--training.steps=2"], tmp_path)
     p = run_cli(base + ["--training.steps=4", "--optimizer.state_dtype=bfloat16", "--optimizer.weight_decay_exempt=[]"],

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from conftest import BF16_U, FP32_PARITY, ROOT, _run_one, reference_run, assert_parity as compare, TINY, read_metrics, run_cli
+from conftest import BF16_U, FP32_PARITY, reference_run, assert_parity as compare, TINY, read_metrics
+from launch import ROOT, run_one, run_cli
 
 GLOBAL = 8
 BASE = TINY + ["--training.steps=4", "--training.deterministic=true", f"--training.global_batch_size={GLOBAL}"]
@@ -144,7 +145,7 @@ def test_fsdp4_holds_a_quarter_of_the_state(tmp_path):
     state = {}
     for world in (1, 4):
         out = tmp_path / f"plan{world}.json"
-        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", "recipes/debug_llama.toml", "--world",
+        p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", "recipes/debug_llama.toml", "--world",
                       str(world), "--json", str(out), P + "data_parallel_shard_degree=-1"], dict(os.environ), 120)
         assert p.returncode == 0, p.stderr[-3000:]
         state[world] = json.load(open(out))["ranks"][0]["model_state_bytes"]
@@ -185,8 +186,8 @@ def test_vocab_parallel_embedding_grads_only_its_rows():
     vocab / 2 x dim) after the one all-gather of the output gradient SP needs. torch's RowwiseParallel
     (what a subclass with its own forward keeps) builds the whole table's gradient on every rank."""
     import os
-    from conftest import _launch_ranks
-    p = _launch_ranks([sys.executable, os.path.join(ROOT, "tests", "vocab_embedding_worker.py")], 2,
+    from launch import launch_ranks
+    p = launch_ranks([sys.executable, os.path.join(ROOT, "tests", "vocab_embedding_worker.py")], 2,
                       dict(os.environ, PYTHONUNBUFFERED="1"), timeout=90)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])

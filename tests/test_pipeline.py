@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from conftest import reference_run, assert_parity as compare, ROOT, TINY, read_metrics, run_cli
+from conftest import reference_run, assert_parity as compare, TINY, read_metrics
+from launch import ROOT, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 

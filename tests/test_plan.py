@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _run_one, plan_and_measure
+from launch import ROOT, run_one, plan_and_measure
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 
@@ -40,7 +40,7 @@ LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.glo
 
 def _plan(args, timeout=400):
     """`python -m torchmeg.plan ARGS` (forked from the suite's zygote: no ~2.5 s of imports per plan)."""
-    return _run_one([sys.executable, "-m", "torchmeg.plan"] + args, dict(os.environ, OMP_NUM_THREADS="1"), timeout)
+    return run_one([sys.executable, "-m", "torchmeg.plan"] + args, dict(os.environ, OMP_NUM_THREADS="1"), timeout)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _run_one
+from launch import ROOT, run_one
 from torchmeg.config.schema import load_config
 from torchmeg.models.args import instantiate
 from torchmeg.plan import depth
@@ -153,7 +153,7 @@ CASES = [
 
 
 def _plan(recipe: str, world: int, args: list[str], out) -> dict:
-    p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
+    p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
                   "--world", str(world), "--json", str(out)] + args, dict(os.environ, OMP_NUM_THREADS="1"), 300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.load(open(out))
@@ -228,7 +228,7 @@ def test_search_ranks_every_layout_and_says_why_each_lost(tmp_path):
             "--data.seq_len=8192", "--model.max_seq_len=8192", "--training.local_batch_size=32",
             "--data.document_masking=false"]
     out = tmp_path / "search.json"
-    p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", recipe, "--world", "2", "--search", "--top", "50",
+    p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", recipe, "--world", "2", "--search", "--top", "50",
                   "--gpu", "a100", "--json", str(out)] + args, dict(os.environ, OMP_NUM_THREADS="1"), 600)
     assert p.returncode == 0, p.stderr[-3000:]
     found = json.load(open(out))

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import ROOT, plan_and_measure
+from launch import ROOT, plan_and_measure
 from torchmeg.config.schema import load_config
 from torchmeg.plan.planner import plan
 from torchmeg.train.validate import validate

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import ROOT, _run_one
+from launch import ROOT, run_one
 from torchmeg.config.schema import load_config
 from torchmeg.plan.step_cost import StepCost
 
@@ -208,7 +208,7 @@ def _plan_rows(rows, tmp_path, cache: str) -> dict:
     def one(k_row):
         k, (name, recipe, gpu, world, args, _) = k_row
         out = tmp_path / f"row{k}.json"
-        p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
+        p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", os.path.join(ROOT, "recipes", recipe),
                       "--world", str(world), "--gpu", gpu, "--json", str(out), f"--plan.trace_cache={cache}"] + args,
                      dict(os.environ, OMP_NUM_THREADS="1"), 800)
         assert p.returncode == 0, (name, p.stderr[-3000:])

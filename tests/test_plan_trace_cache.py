@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, _run_one
+from launch import ROOT, run_one
 from torchmeg.config.schema import load_config
 
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
@@ -28,7 +28,7 @@ def _plan_in_a_process(args: list[str], gpu: str, cache, seed: str, out) -> dict
     """`python -m torchmeg.plan` in an interpreter of its own with this string hash seed (a set of layer
     names prints in another order under another seed: the key must not)."""
     env = dict(os.environ, PYTHONHASHSEED=seed, TORCHMEG_TEST_NO_ZYGOTE="1", OMP_NUM_THREADS="1")
-    p = _run_one([sys.executable, "-m", "torchmeg.plan", "--config", RECIPE, "--world", "2", "--gpu", gpu,
+    p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", RECIPE, "--world", "2", "--gpu", gpu,
                   "--json", str(out), f"--plan.trace_cache={cache}"] + args, env, 300)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.load(open(out))

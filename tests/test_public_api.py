@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from launch import ROOT
 
 PKG = os.path.join(ROOT, "torchmeg")
 INITS = sorted(glob.glob(os.path.join(PKG, "**", "__init__.py"), recursive=True))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import ROOT
+from launch import ROOT
 from torchmeg.checkpoint.folder import committed_steps
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.schema import load_config

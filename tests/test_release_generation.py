@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import _run_one, byte_level_bpe
+from conftest import byte_level_bpe
+from launch import run_one
 
 PROMPT = "def main(argv):"
 SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -74,11 +75,11 @@ def test_a_converted_release_stops_where_its_generation_config_says_in_generate_
     with torch.no_grad():
         want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
     assert want == free[:stop_at + 1]  # transformers stops there, the end included
-    p = _run_one([sys.executable, "-m", "torchmeg.convert", "from-hf", str(release), "--out", str(tmp_path / "out")],
+    p = run_one([sys.executable, "-m", "torchmeg.convert", "from-hf", str(release), "--out", str(tmp_path / "out")],
                  dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     recipe = tmp_path / "out" / "recipe.toml"
-    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(recipe), "--prompt", PROMPT,
+    p = run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(recipe), "--prompt", PROMPT,
                   "--max-new-tokens", "12", "--json"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.loads(next(line for line in p.stdout.splitlines() if line.startswith("{")))

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import run_cli
+from launch import run_cli
 from test_convert import _convert, _hf_folder
 from test_hf_quant import _fp8_quantize
 

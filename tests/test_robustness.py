@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY, _free_port, read_metrics, run_cli
+from conftest import TINY, read_metrics
+from launch import ROOT, free_port, run_cli
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 
@@ -19,7 +20,7 @@ P = "--parallelism."
 def launch_unsupervised(args, tmp_path, nproc, env, timeout=90):
     """Start the ranks with torchrun's worker environment and NO supervisor: nobody kills a rank
     when another fails, so whatever ends them is torchmeg's own doing. -> (codes, stderrs, wall s)."""
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     cmd = [sys.executable, "-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", "--job.name=run"] + args
     t0 = time.time()
     for r in range(nproc):

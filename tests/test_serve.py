@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import FP32_PARITY, ROOT, _run_one, assert_close, assert_tensor_close
+from conftest import FP32_PARITY, assert_close, assert_tensor_close
+from launch import ROOT, run_one
 from serving import PROMPTS, SAMPLED, Server, _complete
 
 import openai
@@ -34,7 +35,7 @@ def server(debug_run):
 def _generate(debug_run, args) -> list[dict]:
     cmd = [sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
            f"--job.dump_folder={debug_run}", "--job.name=debug", "--data.chat_template=chatml", "--json"] + args
-    p = _run_one(cmd, dict(os.environ), timeout=120)
+    p = run_one(cmd, dict(os.environ), timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
@@ -135,7 +136,7 @@ def test_echo_logprobs_equal_transformers_on_the_exported_model(debug_run, serve
     (tmp_path / "doc.py").write_bytes(bytes(ids))
     subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(tmp_path / "doc.py"), "--tokenizer",
                     "byte", "--output-prefix", str(tmp_path / "store")], cwd=ROOT, check=True, capture_output=True)
-    p = _run_one([sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
+    p = run_one([sys.executable, "-m", "torchmeg.eval", "--config", "recipes/debug_llama.toml",
                   f"--job.dump_folder={debug_run}", "--job.name=debug", f"--data.dataset={tmp_path / 'store'}",
                   "--split", "all", "--steps", "1", "--data.seq_len=47", "--training.local_batch_size=1", "--json"],
                  dict(os.environ), 120)

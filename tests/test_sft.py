@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, _run_one, assert_close, assert_parity, byte_level_bpe, decoded_runs, read_metrics, reference_run, run_cli
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, byte_level_bpe, decoded_runs, read_metrics, reference_run
+from launch import run_one, run_cli
 
 # Llama-3-8B-Instruct's template, as its tokenizer_config.json ships it.
 LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
@@ -166,7 +167,7 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
         for p in hf.parameters():
             p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     hf.save_pretrained(str(hf_dir))
-    p = _run_one([sys.executable, "-m", "torchmeg.convert", "from-hf", str(hf_dir), "--out", str(tmp_path / "out")],
+    p = run_one([sys.executable, "-m", "torchmeg.convert", "from-hf", str(hf_dir), "--out", str(tmp_path / "out")],
                  dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     data = tmp_path / "chat.jsonl"
@@ -204,7 +205,7 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
 
     # generate --chat: the prompt as transformers renders a user turn with the generation prompt
     question = "What does `json.dumps` return?"
-    p = _run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
+    p = run_one([sys.executable, "-m", "torchmeg.generate", "--config", str(tmp_path / "out" / "recipe.toml"),
                   "--chat", "--prompt", question, "--max-new-tokens", "8", "--json"], dict(os.environ), 120)
     assert p.returncode == 0, p.stderr[-3000:]
     row = json.loads([x for x in p.stdout.splitlines() if x.startswith("{")][0])

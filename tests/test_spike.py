@@ -1,7 +1,8 @@
 """Loss-spike guard: flags a loss above k x the running median, names its batch, logs / skips / stops."""
 import pytest
 
-from conftest import TINY, read_metrics, run_cli
+from conftest import TINY, read_metrics
+from launch import run_cli
 from torchmeg.train.spike import MIN_HISTORY, SpikeGuard, batch_samples
 
 SPIKE = {"TORCHMEG_TEST_SPIKE_AT_STEP": "15"}  # step 15's loss (and gradients) x 50

@@ -16,12 +16,12 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, _run_one
+from launch import ROOT, run_one
 
 INNER = '''
 import os, subprocess, sys
 import pytest
-from conftest import _run_one, _zygote_for
+from launch import run_one, zygote_for
 
 TOKEN, STARTED = os.environ["HYGIENE_TOKEN"], os.environ["HYGIENE_STARTED"]
 STUCK = [sys.executable, "-m", "tests.stuck_run", TOKEN, STARTED]
@@ -43,17 +43,17 @@ def test_a_quick_test_that_starts_a_process():
 
 @pytest.fixture(scope="module")
 def zygote():
-    _zygote_for(dict(os.environ))  # started (imports) before the timed call
+    zygote_for(dict(os.environ))  # started (imports) before the timed call
 
 
 @pytest.mark.slow
 def test_times_out_in_a_forked_run(zygote):
-    _run_one(STUCK, dict(os.environ), timeout=600)
+    run_one(STUCK, dict(os.environ), timeout=600)
 
 
 @pytest.mark.slow
 def test_times_out_in_a_fresh_process():
-    _run_one(STUCK, dict(os.environ, TORCHMEG_TEST_NO_ZYGOTE="1"), timeout=600)
+    run_one(STUCK, dict(os.environ, TORCHMEG_TEST_NO_ZYGOTE="1"), timeout=600)
 
 
 def test_count():
@@ -117,7 +117,7 @@ def test_a_run_killed_by_abort_says_where():
     """A run forked by the test zygote that dies by SIGABRT (a gloo or C++ abort mid-run) writes every
     thread's Python stack to its stderr before it dies, and still reports the signal: in CI a rank
     that aborted left only its peer's "connection reset" (tests/zygote.py enables faulthandler)."""
-    p = _run_one([sys.executable, "-m", "tests.aborted_run"], dict(os.environ), timeout=60)
+    p = run_one([sys.executable, "-m", "tests.aborted_run"], dict(os.environ), timeout=60)
     assert p.returncode == -signal.SIGABRT, (p.returncode, p.stderr[-2000:])
     assert "Fatal Python error: Aborted" in p.stderr and 'aborted_run.py", line 11 in abort_here' in p.stderr, \
         p.stderr[-2000:]

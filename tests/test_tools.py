@@ -6,7 +6,8 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, TINY, own_tmp
+from conftest import TINY
+from launch import ROOT, own_tmp
 
 
 @pytest.mark.slow

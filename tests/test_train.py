@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from conftest import FP32_PARITY, ROOT, TINY, assert_parity, read_metrics, run_cli
+from conftest import FP32_PARITY, TINY, assert_parity, read_metrics
+from launch import ROOT, run_cli
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ its number of process launches. This server imports all of that once and forks a
 which then runs the module exactly as `python -m` would (`runpy`, `__main__`, sys.argv), with the
 requested environment, working folder and output files. It does no tensor work before forking,
 so nothing a run reads lazily (ATen's CPU capability, MKL's and OpenMP's thread counts, oneDNN's
-ISA) is fixed by the server, except what torch reads at import; so the client (`tests/conftest.py`)
+ISA) is fixed by the server, except what torch reads at import; so the client (`tests/launch.py`)
 sends a run to a server started with the same environment but for keys read at run time
 (`RUNTIME_KEYS`): one server per such environment (a few at most; past that, fresh interpreters).
 

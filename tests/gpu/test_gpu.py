@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_parity, assert_tensor_close, read_metrics, run_cli
+from conftest import assert_parity, assert_tensor_close, read_metrics
+from launch import ROOT, run_cli
 
 CUDA = torch.cuda.is_available()
 N_GPU = torch.cuda.device_count() if CUDA else 0
