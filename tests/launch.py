@@ -19,6 +19,7 @@ import threading
 import time
 
 import processes
+import timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -249,6 +250,7 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
     if fresh:
         full_env["TORCHMEG_TEST_NO_ZYGOTE"] = "1"
     train = ["-m", "torchmeg.train", f"--job.dump_folder={tmp_path}", f"--job.name={name}"] + list(args)
+    t0, existed = time.monotonic(), os.path.exists(os.path.join(tmp_path, name))
     if nproc > 1 and not torchrun:
         p = launch_ranks([sys.executable] + train, nproc, full_env, timeout)
     elif nproc == 1:
@@ -257,6 +259,8 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={nproc}"] + train, cwd=ROOT, env=full_env, capture_output=True,
                            text=True, timeout=timeout)
+    timeline.record_run(list(args), nproc, {k: v for k, v in full_env.items() if os.environ.get(k) != v},
+                        existed, time.monotonic() - t0)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}: {' '.join(p.args)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
                              + getattr(p, "rank_tails", ""))

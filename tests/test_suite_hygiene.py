@@ -121,3 +121,38 @@ def test_a_run_killed_by_abort_says_where():
     assert p.returncode == -signal.SIGABRT, (p.returncode, p.stderr[-2000:])
     assert "Fatal Python error: Aborted" in p.stderr and 'aborted_run.py", line 11 in abort_here' in p.stderr, \
         p.stderr[-2000:]
+
+
+def test_the_timeline_names_the_runs_a_test_run_repeats(tmp_path, monkeypatch):
+    """TORCHMEG_TEST_TIMELINE's runs file: each CLI run keyed by its arguments (less its own folder),
+    ranks, environment and whether it resumed; a key run twice costs its second run's seconds, a
+    resume of the same arguments is another key, and a run of another session is not counted."""
+    import time
+    import timeline
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(timeline.ENV, str(path))
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "old::w (call)")
+    timeline.record_run(["--training.steps=4"], 1, {}, False, 9.0)  # an earlier session's (the README pass)
+    time.sleep(0.01)
+    plugin = timeline.Timeline(str(path))
+    for test, args, resumed, secs in [("a::x", ["--training.steps=4"], False, 3.0),
+                                      ("b::y", ["--training.steps=4"], False, 2.5),
+                                      ("b::y", ["--training.steps=4"], True, 1.0),
+                                      ("c::z", ["--training.steps=8"], False, 5.0)]:
+        monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{test} (call)")
+        timeline.record_run(args, 1, {}, resumed, secs)
+    rows = [json.loads(line) for line in open(str(path) + ".runs")]
+    assert [r["test"] for r in rows] == ["old::w", "a::x", "b::y", "b::y", "c::z"]
+    (secs, n, tests, key), = timeline.repeats(rows[1:])
+    assert (secs, n, tests) == (2.5, 2, ["a::x", "b::y"]) and "--training.steps=4" in key
+
+    class Reporter:
+        lines: list = []
+
+        def write_line(self, line):
+            self.lines.append(line)
+    plugin.rows = [{"test": "a::x", "phase": "call", "worker": "gw0", "start": plugin.session, "seconds": 3.0,
+                    "outcome": "passed", "session": plugin.session}]
+    plugin.pytest_terminal_summary(Reporter())
+    runs = next(line for line in Reporter.lines if "CLI runs" in line)
+    assert "CLI runs: 4, 12 s; the same run repeated: 1 runs, 2 s of repeats" in runs, Reporter.lines

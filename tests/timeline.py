@@ -3,7 +3,11 @@
 duration as JSON lines, appended (a second session, such as `.ci/run`'s capped pass, adds its rows
 after the first's, each row naming its session's start); and a summary printed after pytest's own:
 the seconds each file took, each worker's busy time and its idle tail (the time it waited at the end
-while another still worked: what the order of files costs under `--dist loadfile`).
+while another still worked: what the order of files costs under `--dist loadfile`); and the CLI runs
+that ran more than once with the same arguments (FILE.runs: each `launch.run_cli` run's arguments less
+its dump folder and job name, ranks, environment beyond the suite's, whether its folder existed (a
+resume), seconds, test), the seconds their repeats cost: what a run trained once per test run
+(conftest.trained_once) would save.
 
 Not a timing assertion: a record of one run, read when the suite's time is the question
 (docs/testing.md keeps the numbers)."""
@@ -15,6 +19,30 @@ import os
 import time
 
 ENV = "TORCHMEG_TEST_TIMELINE"
+
+
+def record_run(args: list[str], nproc: int, env: dict, resumed: bool, seconds: float) -> None:
+    """One CLI run, appended to FILE.runs by the process that ran it (any worker; one short line per
+    write, appended whole)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    key = json.dumps([args, nproc, sorted(env.items()), resumed])
+    row = {"key": key, "seconds": round(seconds, 2), "end": time.time(),
+           "test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]}
+    with open(path + ".runs", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def repeats(rows: list[dict]) -> list[tuple[float, int, list[str], str]]:
+    """Runs of one key run more than once -> (seconds of the runs after the first, count, tests, key),
+    costliest first."""
+    by_key = collections.defaultdict(list)
+    for r in rows:
+        by_key[r["key"]].append(r)
+    out = [(sum(r["seconds"] for r in rs[1:]), len(rs), sorted({r["test"] for r in rs}), k)
+           for k, rs in by_key.items() if len(rs) > 1]
+    return sorted(out, key=lambda x: -x[0])
 
 
 class Timeline:
@@ -49,6 +77,15 @@ class Timeline:
         write("  slowest files (seconds of their tests):")
         for name, s in files.most_common(20):
             write(f"    {s:8.1f}  {name}")
+        if os.path.exists(self.path + ".runs"):
+            runs = [r for r in map(json.loads, open(self.path + ".runs")) if r["end"] >= self.session]
+            rep = repeats(runs)
+            write(f"  CLI runs: {len(runs)}, {sum(r['seconds'] for r in runs):.0f} s; the same run repeated: "
+                  f"{len(rep)} runs, {sum(x[0] for x in rep):.0f} s of repeats")
+            for secs, n, tests, key in rep[:10]:
+                args, nproc, env, resumed = json.loads(key)
+                write(f"    {secs:8.1f}  x{n} in {len(tests)} tests ({', '.join(tests[:2])[:160]}, ...): {nproc} rank(s)"
+                      f"{', resumed' if resumed else ''}{', env ' + str(dict(env)) if env else ''}, ...{' '.join(args)[-240:]}")
 
 
 def register(config) -> None:
