@@ -54,6 +54,7 @@ def test_128k_recipe_attention_needs_no_local_by_seq_tensor(mode):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(500)  # (its run's own bound, 400 s, fires first with the run's output)
 def test_attention_memory_at_8k_is_a_quarter_of_the_dense_kernel(tmp_path):
     """tools/cp_bench.py at seq 8192, CP 2: peak memory of the attention path (VmHWM above the
     inputs) of block attention (default mode) vs the dense-mask kernel torchmeg had before; and

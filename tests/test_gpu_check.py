@@ -89,6 +89,7 @@ def test_a_step_past_its_time_is_killed_with_what_it_started(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 157-215 s in the last .ci/runs (two workers); its own bound, 480 s, fires first
 def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     """`tools/gpu_check.py --cpu`: every step but the GPU suite runs at toy size and reports what ran
     — the bench settings by name with compiled kernels counted, float8 changing the loss (it ran),
