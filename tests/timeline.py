@@ -78,10 +78,11 @@ class Timeline:
         for name, s in files.most_common(20):
             write(f"    {s:8.1f}  {name}")
         if os.path.exists(self.path + ".runs"):
-            runs = [r for r in map(json.loads, open(self.path + ".runs")) if r["end"] >= self.session]
+            with open(self.path + ".runs") as f:
+                runs = [r for r in map(json.loads, f) if r["end"] >= self.session]
             rep = repeats(runs)
             write(f"  CLI runs: {len(runs)}, {sum(r['seconds'] for r in runs):.0f} s; the same run repeated: "
-                  f"{len(rep)} runs, {sum(x[0] for x in rep):.0f} s of repeats")
+                  f"{len(rep)} runs, {sum(x[0] for x in rep):.0f} s of repeats")  # (runs: distinct keys)
             for secs, n, tests, key in rep[:10]:
                 args, nproc, env, resumed = json.loads(key)
                 write(f"    {secs:8.1f}  x{n} in {len(tests)} tests ({', '.join(tests[:2])[:160]}, ...): {nproc} rank(s)"
