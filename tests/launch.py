@@ -259,8 +259,7 @@ def run_cli(args: list[str], tmp_path, nproc: int = 1, name: str = "run", timeou
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                             f"--nproc_per_node={nproc}"] + train, cwd=ROOT, env=full_env, capture_output=True,
                            text=True, timeout=timeout)
-    timeline.record_run(list(args), nproc, {k: v for k, v in full_env.items() if os.environ.get(k) != v},
-                        existed, time.monotonic() - t0)
+    timeline.record_run(list(args), nproc, full_env, existed, time.monotonic() - t0)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}: {' '.join(p.args)}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
                              + getattr(p, "rank_tails", ""))

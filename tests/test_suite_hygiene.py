@@ -140,11 +140,12 @@ def test_the_timeline_names_the_runs_a_test_run_repeats(tmp_path, monkeypatch):
                                       ("b::y", ["--training.steps=4"], True, 1.0),
                                       ("c::z", ["--training.steps=8"], False, 5.0)]:
         monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{test} (call)")
-        timeline.record_run(args, 1, {}, resumed, secs)
+        timeline.record_run(args, 1, dict(os.environ, **({"KILL_AT": "10"} if test == "c::z" else {})), resumed, secs)
     rows = [json.loads(line) for line in open(str(path) + ".runs")]
     assert [r["test"] for r in rows] == ["old::w", "a::x", "b::y", "b::y", "c::z"]
-    (secs, n, tests, key), = timeline.repeats(rows[1:])
-    assert (secs, n, tests) == (2.5, 2, ["a::x", "b::y"]) and "--training.steps=4" in key
+    assert [r["env"] for r in rows[1:]] == [{}, {}, {}, {"KILL_AT": "10"}]  # (only what differs from the suite's)
+    (secs, n, tests, first), = timeline.repeats(rows[1:])
+    assert (secs, n, tests) == (2.5, 2, ["a::x", "b::y"]) and first["args"] == ["--training.steps=4"]
 
     class Reporter:
         lines: list = []

@@ -22,26 +22,26 @@ ENV = "TORCHMEG_TEST_TIMELINE"
 
 
 def record_run(args: list[str], nproc: int, env: dict, resumed: bool, seconds: float) -> None:
-    """One CLI run, appended to FILE.runs by the process that ran it (any worker; one short line per
-    write, appended whole)."""
+    """One CLI run (`env`: its whole environment), appended to FILE.runs by the process that ran it
+    (any worker; one short line per write, appended whole)."""
     path = os.environ.get(ENV)
     if not path:
         return
-    key = json.dumps([args, nproc, sorted(env.items()), resumed])
-    row = {"key": key, "seconds": round(seconds, 2), "end": time.time(),
+    row = {"args": args, "nproc": nproc, "env": {k: v for k, v in env.items() if os.environ.get(k) != v},
+           "resumed": resumed, "seconds": round(seconds, 2), "end": time.time(),
            "test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]}
     with open(path + ".runs", "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
-def repeats(rows: list[dict]) -> list[tuple[float, int, list[str], str]]:
-    """Runs of one key run more than once -> (seconds of the runs after the first, count, tests, key),
-    costliest first."""
+def repeats(rows: list[dict]) -> list[tuple[float, int, list[str], dict]]:
+    """Runs of the same arguments, ranks, environment and resume, run more than once -> (seconds of the
+    runs after the first, count, tests, the first run's row), costliest first."""
     by_key = collections.defaultdict(list)
     for r in rows:
-        by_key[r["key"]].append(r)
-    out = [(sum(r["seconds"] for r in rs[1:]), len(rs), sorted({r["test"] for r in rs}), k)
-           for k, rs in by_key.items() if len(rs) > 1]
+        by_key[json.dumps([r["args"], r["nproc"], sorted(r["env"].items()), r["resumed"]])].append(r)
+    out = [(sum(r["seconds"] for r in rs[1:]), len(rs), sorted({r["test"] for r in rs}), rs[0])
+           for rs in by_key.values() if len(rs) > 1]
     return sorted(out, key=lambda x: -x[0])
 
 
@@ -83,10 +83,10 @@ class Timeline:
             rep = repeats(runs)
             write(f"  CLI runs: {len(runs)}, {sum(r['seconds'] for r in runs):.0f} s; the same run repeated: "
                   f"{len(rep)} runs, {sum(x[0] for x in rep):.0f} s of repeats")  # (runs: distinct keys)
-            for secs, n, tests, key in rep[:10]:
-                args, nproc, env, resumed = json.loads(key)
-                write(f"    {secs:8.1f}  x{n} in {len(tests)} tests ({', '.join(tests[:2])[:160]}, ...): {nproc} rank(s)"
-                      f"{', resumed' if resumed else ''}{', env ' + str(dict(env)) if env else ''}, ...{' '.join(args)[-240:]}")
+            for secs, n, tests, r in rep[:10]:
+                write(f"    {secs:8.1f}  x{n} in {len(tests)} tests ({', '.join(tests[:2])[:160]}, ...): {r['nproc']} rank(s)"
+                      f"{', resumed' if r['resumed'] else ''}{', env ' + str(r['env']) if r['env'] else ''}, "
+                      f"...{' '.join(r['args'])[-240:]}")
 
 
 def register(config) -> None:
