@@ -99,6 +99,12 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     calls = {r["test"].split("::")[1]: r for r in rows if r["phase"] == "call"}
     assert len(calls) == 4 and all(r["worker"] == "main" for r in rows), rows
     assert 8 <= calls["test_times_out_in_a_forked_run"]["seconds"] < 60 and "idle tail 0 s" in out, out[-2000:]
+    # each test's bound as its worker set the timer (pytest-timeout's), and the tests near theirs named
+    assert {r["bound"] for r in calls.values()} == {8}, calls
+    near = out[out.index("tests over 1/3 of their bound"):].splitlines()
+    assert near[0].endswith(": 2") and all(" of 8 s  " in line for line in near[1:3]), out[-3000:]
+    assert {line.rsplit("::", 1)[1] for line in near[1:3]} == {"test_times_out_in_a_forked_run",
+                                                                 "test_times_out_in_a_fresh_process"}, out[-3000:]
 
 
 @pytest.mark.timeout(200)

@@ -7,7 +7,10 @@ while another still worked: what the order of files costs under `--dist loadfile
 that ran more than once with the same arguments (FILE.runs: each `launch.run_cli` run's arguments less
 its dump folder and job name, ranks, environment beyond the suite's, whether its folder existed (a
 resume), seconds, test), the seconds their repeats cost: what a run trained once per test run
-(conftest.trained_once) would save.
+(conftest.trained_once) would save. And the tests whose time came within a third of their bound
+(pytest-timeout's, each worker recording it as its timer starts): a bound exists to end a hang, and
+one less than 3x a test's time on a quiet machine is a timing assertion on a busy one (a loaded run
+was 1.3-2x slower than a quiet one).
 
 Not a timing assertion: a record of one run, read when the suite's time is the question
 (docs/testing.md keeps the numbers)."""
@@ -19,6 +22,7 @@ import os
 import time
 
 ENV = "TORCHMEG_TEST_TIMELINE"
+MARGIN = 3  # a test's bound at least this many times its time (see above)
 
 
 def record_run(args: list[str], nproc: int, env: dict, resumed: bool, seconds: float) -> None:
@@ -45,6 +49,27 @@ def repeats(rows: list[dict]) -> list[tuple[float, int, list[str], dict]]:
     return sorted(out, key=lambda x: -x[0])
 
 
+class Bounds:
+    """On every process that runs tests: each test's pytest-timeout bound, in its reports'
+    user_properties (which xdist carries to the controller)."""
+
+    @staticmethod
+    def pytest_timeout_set_timer(item, settings):
+        if settings.timeout:
+            item.user_properties.append(("timeout", settings.timeout))
+
+
+def near_bounds(rows: list[dict]) -> list[tuple[float, float, str]]:
+    """(seconds, bound, test) of the tests whose phases together took more than 1/MARGIN of their
+    bound, nearest first."""
+    secs, bounds = collections.Counter(), {}
+    for r in rows:
+        secs[r["test"]] += r["seconds"]
+        if r.get("bound"):
+            bounds[r["test"]] = r["bound"]
+    return sorted(((secs[t], b, t) for t, b in bounds.items() if secs[t] * MARGIN > b), key=lambda x: -x[0] / x[1])
+
+
 class Timeline:
     def __init__(self, path: str):
         self.path, self.rows, self.session = path, [], time.time()
@@ -54,7 +79,7 @@ class Timeline:
         worker = node.gateway.id if node is not None else "main"
         self.rows.append({"test": report.nodeid, "phase": report.when, "worker": worker,
                           "start": report.start, "seconds": report.duration, "outcome": report.outcome,
-                          "session": self.session})
+                          "session": self.session, "bound": dict(report.user_properties).get("timeout")})
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.rows:
@@ -77,6 +102,10 @@ class Timeline:
         write("  slowest files (seconds of their tests):")
         for name, s in files.most_common(20):
             write(f"    {s:8.1f}  {name}")
+        near = near_bounds(self.rows)
+        write(f"  tests over 1/{MARGIN} of their bound (pytest-timeout; raise the bound or cut the test): {len(near)}")
+        for secs, b, test in near:
+            write(f"    {secs:8.1f}  of {b:.0f} s  {test}")
         if os.path.exists(self.path + ".runs"):
             with open(self.path + ".runs") as f:
                 runs = [r for r in map(json.loads, f) if r["end"] >= self.session]
@@ -91,5 +120,7 @@ class Timeline:
 
 def register(config) -> None:
     path = os.environ.get(ENV)
+    if path:
+        config.pluginmanager.register(Bounds(), "torchmeg-timeline-bounds")
     if path and not hasattr(config, "workerinput"):  # (the controller, or a run without workers)
         config.pluginmanager.register(Timeline(path), "torchmeg-timeline")
