@@ -25,8 +25,8 @@ def cores_per_worker() -> int | None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers < 2:
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // workers)
+    from torchmeg.runtime.cpus import usable_cores  # (lazy: at the call, after the settings above; torch-free)
+    return max(1, usable_cores() // workers)
 
 
 # Each worker runs torch (here and in every process it starts that does not set its own count) on its

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from torchmeg.runtime.cpus import usable_cores
+
 # Dense (no sparsity) bf16 peak FLOP/s from the vendors' data sheets; fp32 training uses TF32,
 # half of these on Ampere/Hopper/Blackwell.
 GPU_PEAK_BF16 = [
@@ -67,13 +69,6 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
 def measure_matmul_flops(dtype: torch.dtype, device: str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
     """Best-of achieved FLOP/s of an n x n matmul in `dtype` with the current thread count."""
     return _round(device, n, seconds, *_operands(dtype, device, n))[0]
@@ -104,7 +99,7 @@ def probe_cpu(dtype: torch.dtype, rounds: int = ROUNDS, seconds: float = ROUND_S
     # bf16 matmuls on a CPU without bf16 units run ~100x slower than fp32: a smaller probe
     # keeps the first bf16 run from spending ~10 s per rank there.
     n = 1024 if dtype == torch.float32 else 512
-    threads = min(torch.get_num_threads(), _usable_cores())
+    threads = min(torch.get_num_threads(), usable_cores())
     a, b = _operands(dtype, "cpu", n)
     best, share = 0.0, 1.0
     for _ in range(rounds):

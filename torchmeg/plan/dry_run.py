@@ -25,7 +25,6 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import os
 import sys
 
 import torch.distributed as dist
@@ -41,6 +40,7 @@ from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_prop
 from torchmeg.plan.pipeline_rank import measure_pipeline, pipeline_ranks
 from torchmeg.plan.step_cost import mesh_group_labels
 from torchmeg.plan.trace_step import measure_step, peak_phase
+from torchmeg.runtime.cpus import usable_cores
 from torchmeg.train.build import add_adapters
 
 
@@ -179,10 +179,6 @@ def forget(run: DryRun) -> None:
     _PREPARED.pop(run.key, None)
 
 
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None) -> list[dict]:
     """Trace each job, as many at a time as this machine has cores, each in a forked child of its own:
     DeviceMesh keeps process groups of an earlier fake world alive in its caches (torch 2.13), so one
@@ -199,7 +195,7 @@ def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None)
     if len(todo) == 1 and not isolate:
         out[todo[0]] = trace_job(todo[0])
     elif todo:
-        with mp.get_context("fork").Pool(max(1, min(len(todo), cores())), maxtasksperchild=1) as pool:
+        with mp.get_context("fork").Pool(max(1, min(len(todo), usable_cores())), maxtasksperchild=1) as pool:
             for job, piece in pool.imap_unordered(_traced, todo, chunksize=1):
                 out[job] = piece
                 if done is not None:

@@ -20,10 +20,11 @@ import queue
 import time
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.plan.dry_run import cached_piece, cores, forget, trace_job
+from torchmeg.plan.dry_run import cached_piece, forget, trace_job
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.planner import finish_plan, prepare_plan
 from torchmeg.plan.trace_cache import traced_program
+from torchmeg.runtime.cpus import usable_cores
 from torchmeg.train.validate import validate
 
 MODES = ("none", "selective", "full")
@@ -110,9 +111,9 @@ def _trace_in_order(prepared, alias, finished, rows) -> int:
     traced, submitted, no_fit = {}, set(), []
     waiting = {p.run.key: {alias[j] for j in p.run.jobs} for _, p in prepared}
     in_flight = 0
-    with mp.get_context("fork").Pool(cores(), maxtasksperchild=1) as pool:
+    with mp.get_context("fork").Pool(usable_cores(), maxtasksperchild=1) as pool:
         while order or in_flight:
-            while order and in_flight < cores():
+            while order and in_flight < usable_cores():
                 c, p = order.pop(0)
                 if p.run.key not in waiting:  # (every trace it needs came in for a layout of the same program)
                     continue
@@ -182,7 +183,7 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_no
     cands = candidates(cfg, world, gpus_per_node or GPUS[gpu_name].gpus_per_node)
     chosen = cands[:limit] if limit else cands
     print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning {len(chosen)} of them "
-          f"({cores()} at a time)", flush=True)
+          f"({usable_cores()} at a time)", flush=True)
     prepared = []
     for c in chosen:
         try:

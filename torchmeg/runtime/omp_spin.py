@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
+from torchmeg.runtime.cpus import usable_cores
+
 SPINS = "1000"
 
 
@@ -36,7 +38,7 @@ def spin_less_when_busy(environ=os.environ, load=None, cores: int | None = None,
     except (AttributeError, OSError):  # (no load average on this OS)
         return None
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = usable_cores()
     if load < cores:
         return None
     environ["GOMP_SPINCOUNT"] = SPINS
