@@ -206,12 +206,24 @@ def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tup
     """`python -m torchmeg.plan --world W COMMON` planned while the same recipe runs for real on W gloo
     ranks (`plan --measure`, step 2 under the planner's trackers) -> (the plan's JSON, the measured
     JSON of each rank in `ranks`, by default of each rank the plan lists)."""
-    planner = subprocess.Popen([sys.executable, "-m", "torchmeg.plan", "--world", str(world), "--json",
-                                str(tmp_path / "plan.json")] + common, cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    run = launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")] + common,
-                        world, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
-    _, err = planner.communicate(timeout=processes.bound(180))
+    # (the planner forked from the zygote, as the ranks are: not ~4 s of imports of its own)
+    logs = tempfile.mkdtemp(prefix="torchmeg-plan-")
+    try:
+        err_path = os.path.join(logs, "err")
+        planner = start([sys.executable, "-m", "torchmeg.plan", "--world", str(world), "--json",
+                         str(tmp_path / "plan.json")] + common, dict(os.environ, OMP_NUM_THREADS="1"),
+                        os.path.join(logs, "out"), err_path)
+        try:
+            run = launch_ranks([sys.executable, "-m", "torchmeg.plan", "--measure", "--json", str(tmp_path / "m")]
+                               + common, world, dict(os.environ, PYTHONUNBUFFERED="1"), timeout=180)
+            planner.wait(processes.bound(180))
+        finally:
+            if planner.poll() is None:  # (timed out, or the ranks' launch raised)
+                planner.kill()
+                planner.wait(30)
+        err = open(err_path).read()
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert planner.returncode == 0, err[-3000:]
     plan = json.load(open(tmp_path / "plan.json"))
