@@ -77,3 +77,27 @@ def test_untrusted_cache_entries_are_probed_again(tmp_path):
     # A contended probe is never stored, whatever the table held.
     peak._store(str(path), torch.float32, peak.Probe(5e10, 0.5, 1, 1024, 5, time.time()))
     assert json.loads(path.read_text())[key]["flops"] == 1e11
+
+
+@pytest.mark.parametrize("bf16_flops, said", [(1.1e9, True), (2.0e11, False)])
+def test_a_bf16_run_on_a_cpu_slow_at_bf16_is_told_fp32_trains_faster(tmp_path, monkeypatch, bf16_flops, said):
+    """A CPU without bf16 units runs bf16 matmuls in ATen's fallback: 1.1 GFLOP/s against float32's 118 on
+    the AVX2 EPYC. A bf16 run there gets a clause naming the ratio and training.mixed_precision = "fp32"
+    (float32's peak probed once and cached beside bf16's); a CPU whose bf16 is as fast (AMX, AVX512-BF16:
+    the second case) and a float32 run get none. Stand-in probes: the machine's own are its own."""
+    probes = {torch.float32: 1.18e11, torch.bfloat16: bf16_flops}
+    calls = []
+
+    def probe(dtype):
+        calls.append(dtype)
+        return peak.Probe(probes[dtype], 0.99, torch.get_num_threads(), 1024, peak.ROUNDS, time.time())
+
+    monkeypatch.setattr(peak, "probe_cpu", probe)
+    flops, source = peak.peak_flops(torch.device("cpu"), torch.bfloat16, str(tmp_path))
+    assert flops == bf16_flops and calls == [torch.bfloat16, torch.float32]
+    assert ('bfloat16 matmuls run 107x slower than float32\'s (0.118 TFLOP/s) on this CPU: '
+            'training.mixed_precision = "fp32" trains faster here' in source) == said, source
+    again, source2 = peak.peak_flops(torch.device("cpu"), torch.bfloat16, str(tmp_path))  # both read back
+    assert again == flops and len(calls) == 2 and ("107x slower" in source2) == said, source2
+    _, fp32_source = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
+    assert "slower than" not in fp32_source and len(calls) == 2
