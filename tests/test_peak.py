@@ -101,3 +101,10 @@ def test_a_bf16_run_on_a_cpu_slow_at_bf16_is_told_fp32_trains_faster(tmp_path, m
     assert again == flops and len(calls) == 2 and ("107x slower" in source2) == said, source2
     _, fp32_source = peak.peak_flops(torch.device("cpu"), torch.float32, str(tmp_path))
     assert "slower than" not in fp32_source and len(calls) == 2
+    # A cached bf16 peak without a float32 one (cached before this clause existed): no probe on a run that
+    # read its own peak (it may share the cores with its sibling ranks), so no clause either.
+    table = json.loads((tmp_path / "peak_flops.json").read_text())
+    del table[peak._cache_key(torch.float32)]
+    (tmp_path / "peak_flops.json").write_text(json.dumps(table))
+    _, source3 = peak.peak_flops(torch.device("cpu"), torch.bfloat16, str(tmp_path))
+    assert len(calls) == 2 and "slower than" not in source3, source3

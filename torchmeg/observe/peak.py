@@ -194,27 +194,29 @@ def peak_flops(device: torch.device, dtype: torch.dtype, cache_dir: str) -> tupl
     path = os.path.join(cache_dir, "peak_flops.json")
     p = _cached(path, dtype)
     if p is not None:
-        return p.flops, f"measured: {p.describe(dtype)}; cached in {path}" + _against_fp32(dtype, p.flops, path)
+        return p.flops, f"measured: {p.describe(dtype)}; cached in {path}" + _against_fp32(dtype, p.flops, path, False)
     p = probe_cpu(dtype)
     _store(path, dtype, p)
     if p.clean:
-        return p.flops, f"measured now: {p.describe(dtype)}; cached in {path}" + _against_fp32(dtype, p.flops, path)
+        return p.flops, f"measured now: {p.describe(dtype)}; cached in {path}" + _against_fp32(dtype, p.flops, path, True)
     return p.flops, (f"measured now on a BUSY machine: {p.describe(dtype)}; not cached, MFU reads high "
                      f"until a probe on an idle machine")
 
 
-def _against_fp32(dtype: torch.dtype, flops: float, path: str) -> str:
+def _against_fp32(dtype: torch.dtype, flops: float, path: str, probing: bool) -> str:
     """For a low-precision run on a CPU: a clause when its matmuls are far slower than float32's. A CPU
     without bf16 units runs bf16 matmuls in ATen's fallback (1.1 GFLOP/s against float32's 118 on the
     2-core AVX2 EPYC: a GPT-2 124M step of 32 tokens ~7 s), which a user sees only as a slow run. The
-    float32 peak is the cached one, or probed once here (~1 s) and cached like any other."""
+    float32 peak is the cached one, or probed (~1 s) and cached like any other, only where this run's
+    own probe just ran clean (`probing`): a machine idle enough to cache one, so neither is paid again
+    (a bf16 peak cached before float32's was gets the clause once a float32 run has cached its peak)."""
     if dtype == torch.float32:
         return ""
     f32 = _cached(path, torch.float32)
-    if f32 is None:
+    if f32 is None and probing:
         f32 = probe_cpu(torch.float32)
         _store(path, torch.float32, f32)
-    if f32.flops < SLOWER_THAN_FP32 * flops:
+    if f32 is None or f32.flops < SLOWER_THAN_FP32 * flops:
         return ""
     return (f"; {_dt(dtype)} matmuls run {f32.flops / flops:.0f}x slower than float32's "
             f"({f32.flops / 1e12:.3f} TFLOP/s) on this CPU: training.mixed_precision = \"fp32\" trains faster here")
