@@ -110,10 +110,10 @@ def _trace_in_order(prepared, alias, finished, rows) -> int:
     done_q: queue.Queue = queue.Queue()
     traced, submitted, no_fit = {}, set(), []
     waiting = {p.run.key: {alias[j] for j in p.run.jobs} for _, p in prepared}
-    in_flight = 0
-    with mp.get_context("fork").Pool(usable_cores(), maxtasksperchild=1) as pool:
+    in_flight, slots = 0, usable_cores()  # (the pool's size and the jobs kept in flight: one number)
+    with mp.get_context("fork").Pool(slots, maxtasksperchild=1) as pool:
         while order or in_flight:
-            while order and in_flight < usable_cores():
+            while order and in_flight < slots:
                 c, p = order.pop(0)
                 if p.run.key not in waiting:  # (every trace it needs came in for a layout of the same program)
                     continue
