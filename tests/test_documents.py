@@ -307,9 +307,10 @@ def test_flex_document_mask_equals_the_sdpa_path(q_start, L, heads, monkeypatch)
 def test_op_recorder_records_flex_attention(monkeypatch):
     """TORCHMEG_RECORD_OPS's recorder (a dispatch mode) over the flex path: torch.compile skips every
     frame under such a mode and torch 2.13's eager flex_attention is a fullgraph compile ("found no
-    compiled frames"); on torch 2.11 the op reached the mode with no rule for it. Found on an H200,
-    where every recorded run of the debug recipe failed at step 1. Recorded, flex runs as the plain
-    op: the same output, its operands' dtype recorded, torch's flag put back."""
+    compiled frames"); on torch 2.11 the op reached the mode with no rule for it, and our compiled
+    kernel entered under the mode failed. Found on an H200, where every recorded run of the debug
+    recipe failed at step 1. Recorded, flex runs as the plain op, not our compiled kernel: the same
+    output, its operands' dtype recorded, torch's flag put back."""
     import torch.nn.attention.flex_attention as flex_module
     from torchmeg.models.attention import DocumentBatch, document_attention
     from torchmeg.observe.op_record import OpRecorder
@@ -320,6 +321,13 @@ def test_op_recorder_records_flex_attention(monkeypatch):
     q, k, v = (torch.randn(1, 2, 128, 16, dtype=torch.bfloat16) for _ in range(3))
     plain = document_attention(q, k, v, DocumentBatch(docs), 0, flex=True)
     before = flex_module._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG
+    # recorded, our compiled kernel is not entered: on torch 2.11 (an H200, 2026-11-29) it failed under
+    # the mode, dynamo tracing flex's dense reference to `torch._safe_softmax` (torch 2.13 skips it)
+    from torchmeg.models import flex_documents
+
+    def compiled_kernel():
+        raise AssertionError("the compiled flex kernel was entered under the op recorder")
+    monkeypatch.setattr(flex_documents, "_kernel", compiled_kernel)
     recorder = OpRecorder()
     with recorder:
         recorded = document_attention(q, k, v, DocumentBatch(docs), 0, flex=True)

@@ -320,3 +320,33 @@ def test_bf16_concurrent_completions_equal_alone_up_to_a_near_tie():
             assert abs(got - float(lp[j.tokens[t]])) <= bound, (t, got, float(lp[j.tokens[t]]), bound)
             compared += 1
     assert compared >= 0.75 * n * len(jobs), (compared, flipped)
+
+
+def test_generation_and_serving_attend_without_cudnn_and_training_keeps_it(monkeypatch):
+    """Every attention call of a serving step and of `generate` runs with cuDNN's SDPA kernel off
+    (models.kv_cache.varying_shapes): it builds an execution plan per new shape, and a decode step's
+    shapes are new at every step (an H200, torch 2.11: 4.8 ms of host time a call, 90% of a 32-request
+    serving run). A training forward keeps torch's choice. Read from the flags at each call here (on
+    a CPU the kernels are the CPU's; the flags are what a GPU would choose from)."""
+    import torch.nn.functional as F
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*a, **k)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
+    for prompt in (list(b"abc"), list(b"hello there")):
+        engine.submit(Job(prompt, 4, Sampling(), on_event=lambda *a: None))
+    while engine.running or engine.waiting:
+        engine.step()
+    serving, seen[:] = list(seen), []
+    generate(model, [list(b"abc"), list(b"hello")], 4, -1, Sampling(), "cpu")
+    generation, seen[:] = list(seen), []
+    with torch.no_grad():
+        model(torch.tensor([list(b"hello there")]))
+    assert serving and generation and seen, (serving, generation, seen)
+    assert not any(serving) and not any(generation) and all(seen), (serving, generation, seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # (put back)

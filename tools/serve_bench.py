@@ -2,7 +2,7 @@
 
     python tools/serve_bench.py --config recipes/debug_llama.toml [--sets mix,fixed] [--concurrency 1,8,32,64]
         [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine [--peer transformers]]
-        [--json FILE]
+        [--json FILE] [--profile FOLDER]
         [--section.key=value ...]
 
 Starts `python -m torchmeg.serve` on the recipe's newest checkpoint (or uses the server at --url),
@@ -19,7 +19,10 @@ this process, no HTTP (the engine's own scaling, apart from the server's). `--pe
 --engine): the model exported as checkpoint.export_hf writes it (llama and hf models) and run by
 transformers' continuous batching (`generate_batch`: paged cache, block sharing on, --max-seqs
 requests a batch) on the same requests, greedy; one line per set: both throughputs side by side, the
-ratio, and how many requests got the same tokens. One run, side by side: the ratios are the result; the
+ratio, and how many requests got the same tokens. `--profile FOLDER` (with --engine): each concurrent
+run's steps (what each forward held, its time with the device synchronized) and torch's profiler
+tables, by host and by device time (how an H200's serving was found host-bound in cuDNN's attention:
+docs/gpu-results.md). One run, side by side: the ratios are the result; the
 absolute numbers are this machine's.
 """
 from __future__ import annotations
@@ -163,8 +166,10 @@ def engine_runner(args, rest):
     from torchmeg.serving import cli
     from torchmeg.batching.engine import Engine
     from torchmeg.batching.scheduler import Job
+    t_load = time.perf_counter()
     a, cfg, layout, _, _ = cli.prepare(["--config", args.config] + rest, http=False)
     loaded = load_trained(cfg, layout, logits=True, kv_copies=a.kv_copies)
+    progress(f"the model loaded in {time.perf_counter() - t_load:.1f} s")
     a.max_seqs = args.max_seqs
     cli.size_engine(a, loaded.built.model, loaded.device)  # the server's dtype and slot length
     max_len = a.max_model_len
@@ -188,6 +193,7 @@ def engine_runner(args, rest):
             rec["job"] = job
             engine.submit(job)
         queue = list(bodies)
+        steps, profiler = step_log(engine, loaded.device) if args.profile and concurrency > 1 else (None, None)
         t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(min(concurrency, len(queue))):
             submit(queue.pop(0))
@@ -198,6 +204,9 @@ def engine_runner(args, rest):
                 if queue:
                     submit(queue.pop(0))
         wall = time.perf_counter() - t0
+        if steps is not None:
+            write_profile(args.profile, concurrency, steps, profiler)
+        progress(f"{len(bodies)} requests at concurrency {concurrency}: {wall:.1f} s")
         # the slot cache and its layers refer to each other: freed only by a collection, and the next
         # run's engine reserves its own (a 1B's on an H200 ran out of memory at the second run)
         engine = None
@@ -261,6 +270,47 @@ def transformers_runner(run_engine, max_seqs: int):
     return run_peer
 
 
+def step_log(engine, device):
+    """--profile: each engine step's forward timed (the device synchronized: slower, so only in a
+    profiled run) with what its plan held, and torch's profiler over the run. -> (steps, profiler)."""
+    import torch  # lazy: --engine only
+    from torch.profiler import ProfilerActivity, profile
+    steps, forward = [], engine.runner.forward
+
+    def timed(plan):
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        out = forward(plan)
+        sync()
+        steps.append(dict(ms=round(1000 * (time.perf_counter() - t), 2), prefill=len(plan.prefill),
+                          prefill_tokens=sum(len(c[2]) for c in plan.prefill), decode_rows=len(plan.rows)))
+        return out
+    engine.runner.forward = timed
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    profiler = profile(activities=activities)
+    profiler.__enter__()
+    return steps, profiler
+
+
+def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) -> None:
+    profiler.__exit__(None, None, None)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"steps_c{concurrency}.json"), "w") as fh:
+        json.dump(steps, fh)
+    with open(os.path.join(folder, f"ops_c{concurrency}.txt"), "w") as fh:
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            fh.write(profiler.key_averages().table(sort_by=key, row_limit=30) + "\n")
+    forward_ms = sum(x["ms"] for x in steps)
+    progress(f"profile of concurrency {concurrency}: {len(steps)} steps, their forwards {forward_ms:.0f} ms -> {folder}")
+
+
+def progress(line: str) -> None:
+    """One line per stage on stderr, as it ends: a run stopped at its bound shows how far it got (the
+    first H200 call's bench printed nothing in its 76 s)."""
+    print(f"serve_bench: {line}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="recipes/debug_llama.toml")
@@ -271,6 +321,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--json", default="")
+    ap.add_argument("--profile", default="", help="with --engine: a folder for each concurrent run's step times "
+                                                  "and torch profiler tables (slows the run it profiles)")
     ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
     ap.add_argument("--peer", default="", choices=["", "transformers"],
                     help="with --engine: also transformers' continuous batching on the exported model, same requests")

@@ -23,7 +23,7 @@ import torch
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.init import uniform
-from torchmeg.models.kv_cache import KVCache
+from torchmeg.models.kv_cache import KVCache, varying_shapes
 
 _STEP_BITS = 20  # a row's stream holds 2^20 steps: its key sits above them in the counter
 
@@ -103,7 +103,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id, sampl
 
     use_cache=False recomputes the whole sequence at every step, one prompt at a time (a batch
     would need the padding mask only the cache path builds). `decode_step(model, tokens_B1, cache)`
-    -> logits [B, V] replaces the eager decode step (a compiled one, over a static cache)."""
+    -> logits [B, V] replaces the eager decode step (a compiled one, over a static cache). Attention
+    runs in kernels that build nothing per shape (models.kv_cache.varying_shapes)."""
+    with varying_shapes():
+        return _generate(model, prompts, max_new_tokens, eos_id, sampling, device, use_cache, decode_step,
+                         sample_index, keep_logits)
+
+
+def _generate(model, prompts, max_new_tokens, eos_id, sampling, device, use_cache, decode_step, sample_index,
+              keep_logits) -> list[Generated]:
     device = torch.device(device)
     ends = end_set(eos_id)
     if not use_cache:

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.models.kv_cache import KVCache
+from torchmeg.models.kv_cache import KVCache, varying_shapes
 from torchmeg.batching.scheduler import Plan
 from torchmeg.batching.slots import SlotCache
 
@@ -33,7 +33,12 @@ class ModelRunner:
 
     def forward(self, plan: Plan) -> torch.Tensor:
         """Run a plan's forwards -> logits [chunks + decodes, V], float: each prefill chunk's last
-        position, then each decode row (every rank runs this)."""
+        position, then each decode row (every rank runs this). Attention in kernels that build nothing
+        per shape (models.kv_cache.varying_shapes: each step's shapes are new)."""
+        with varying_shapes():
+            return self._forward(plan)
+
+    def _forward(self, plan: Plan) -> torch.Tensor:
         self.full = {}
         for src, dst, length in plan.moves:
             if self.own_cache:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 
@@ -41,4 +42,10 @@ def document_block_mask(documents_BS: torch.Tensor, L: int, q_start: int = 0) ->
 
 def flex_document_attention(q_BHLD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor,
                             block_mask: BlockMask) -> torch.Tensor:
-    return _kernel()(q_BHLD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=q_BHLD.shape[1] != k_BKSD.shape[1])
+    # torch's own switch for running flex uncompiled (_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG) is
+    # honoured here too: the op recorder (TORCHMEG_RECORD_OPS) sets it while it records a step, and
+    # our compiled kernel entered under its dispatch mode fails on torch 2.11 (an H200, 2026-11-29:
+    # dynamo traced flex's dense reference and stopped at `torch._safe_softmax`). Uncompiled, flex is
+    # the plain op, its backward included, which the mode sees.
+    kernel = flex_attention if getattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False) else _kernel()
+    return kernel(q_BHLD, k_BKSD, v_BKSD, block_mask=block_mask, enable_gqa=q_BHLD.shape[1] != k_BKSD.shape[1])

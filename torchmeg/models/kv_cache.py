@@ -21,6 +21,20 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA's kernels for the forwards whose shapes change at every step: a decode step reads one key more
+# than the last, and a server's batch changes as requests come and go. cuDNN's attention builds an
+# execution plan for each new shape: on an H200 (torch 2.11, 2026-11-29) a 32-request serving run of
+# a 1B spent 4.8 ms of host time in each of its 1,040 `_cudnn_attention_forward` calls, 90% of the
+# run, with the GPU busy for 2% of it (tools/serve_bench.py --profile). Flash, memory-efficient and
+# math kernels build nothing per shape. Training's shapes are fixed: it keeps torch's choice.
+VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def varying_shapes():
+    """The context generation and serving run their forwards in (VARYING_SHAPE_BACKENDS)."""
+    return sdpa_kernel(VARYING_SHAPE_BACKENDS)
 
 
 def head_positions(h_BLE: torch.Tensor, last_only) -> torch.Tensor:

@@ -9,6 +9,7 @@ Ops inside compiled graphs run as inductor kernels and are not seen.
 """
 from __future__ import annotations
 
+import inspect
 import json
 
 import torch
@@ -22,7 +23,31 @@ from torchmeg.parallel.mxfp8 import is_mx_linear
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "linear", "_grouped_mm",
               "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-              "scaled_dot_product_attention", "flex_attention", "flex_attention_backward"}
+              "scaled_dot_product_attention", "flex_attention", "flex_attention_backward", "_scaled_grouped_mm"}
+
+
+# The leading arguments that are the op's operands, where others ride along in another dtype by
+# design: _scaled_mm's float32 scales; attention's float32 log-sum-exp (flex's backward takes it, and
+# an H200's bf16 run recorded flex_attention_backward as "bfloat16, float32" for it). Other ops: every
+# tensor input.
+OPERANDS = {"_scaled_mm": 2, "_scaled_grouped_mm": 2}
+
+
+def _operands(op: str, args: tuple, kwargs: dict) -> tuple:
+    n = OPERANDS.get(op, 3 if "attention" in op else None)
+    return args[:n] if n is not None else (args, kwargs)
+
+
+def _unwrapping(types) -> type | None:
+    """The tensor subclass whose own dispatch runs the op, when it hides its data's dtype: torchao's
+    float8 and MX training tensors say "bfloat16" and hold float8 (the same H200 run recorded its float8
+    matmuls as a bf16 `mm`). DTensor (duck-typed by `placements`: this module imports nothing
+    distributed) says its local tensors' dtype and is recorded as it is."""
+    for cls in types:
+        if cls is not torch.Tensor and "placements" not in dir(cls) and \
+                isinstance(inspect.getattr_static(cls, "__torch_dispatch__", None), classmethod):
+            return cls
+    return None
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -40,33 +65,45 @@ class OpRecorder(TorchDispatchMode):
         self.matmul: dict[str, set[str]] = {}
         self.seen: set[str] = set()
         self._flex_eager = None
+        self._depth = 0  # (entered again inside a subclass's dispatch: the flag is set and put back once)
 
     # torch.compile skips every frame while a dispatch mode like this one is on, and torch >= 2.12's
     # eager flex_attention is itself a fullgraph compile of the op: under the mode it raises "found no
     # compiled frames". Recording, flex_attention runs as the plain op (the reference implementation,
     # which has autograd on CUDA), so it reaches this mode; the flag is put back on exit.
     def __enter__(self):
-        import torch.nn.attention.flex_attention as flex  # lazy: only a recorded step needs it
-        self._flex_eager = getattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
-        if self._flex_eager is not None:
-            flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        if self._depth == 0:
+            import torch.nn.attention.flex_attention as flex  # lazy: only a recorded step needs it
+            self._flex_eager = getattr(flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+            if self._flex_eager is not None:
+                flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+        self._depth += 1
         return super().__enter__()
 
     def __exit__(self, *exc):
-        import torch.nn.attention.flex_attention as flex  # lazy: as in __enter__
-        if self._flex_eager is not None:
+        self._depth -= 1
+        if self._depth == 0 and self._flex_eager is not None:
+            import torch.nn.attention.flex_attention as flex  # lazy: as in __enter__
             flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = self._flex_eager
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        sub = _unwrapping(types)
+        if sub is not None:
+            # the subclass's own dispatch with this mode on again (torch takes it off while the mode
+            # runs): the ops it runs on its plain data are recorded, _scaled_mm and its float8 included
+            with self:
+                return sub.__torch_dispatch__(func, types, args, kwargs)
+        out = func(*args, **kwargs)
         packet = getattr(func, "overloadpacket", None)
         op = packet.__name__ if packet is not None else func.name()  # (a higher-order op has no packet)
         ins = {_name(t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         outs = {_name(t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
         self.seen |= ins | outs
         if op in MATMUL_OPS:
-            self.matmul.setdefault(op, set()).update(ins - {"int64", "int32", "bool"})  # (indices, offsets)
+            operands = {_name(t.dtype) for t in tree_leaves(_operands(op, args, kwargs)) if isinstance(t, torch.Tensor)}
+            self.matmul.setdefault(op, set()).update(operands - {"int64", "int32", "bool"})  # (indices, offsets)
         return out
 
     def report(self, model: torch.nn.Module) -> dict:
