@@ -94,8 +94,10 @@ class OpRecorder(TorchDispatchMode):
             # the subclass's own dispatch with this mode on again (torch takes it off while the mode
             # runs): the ops it runs on its plain data are recorded, _scaled_mm and its float8 included
             with self:
-                return sub.__torch_dispatch__(func, types, args, kwargs)
-        out = func(*args, **kwargs)
+                out = sub.__torch_dispatch__(func, types, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)  # (a subclass that leaves the op to another one: torch's order, recorded here)
         packet = getattr(func, "overloadpacket", None)
         op = packet.__name__ if packet is not None else func.name()  # (a higher-order op has no packet)
         ins = {_name(t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
