@@ -124,6 +124,8 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     assert len(attn) == 3 and all(r["sdpa_kernels"] and r["forward_backward_ms"] > 0 for r in attn)
     serve = steps["serving"]["rows"]
     assert [r["concurrency"] for r in serve] == [1, 8] and all(r["output_tokens_per_sec"] > 0 for r in serve)
+    prof = steps["serving"]["profile"]  # (the 8-at-once run again under the profiler: where its host time went)
+    assert prof["concurrency"] == 8 and prof["steps"] > 0 and prof["forward_ms"] > 0 and prof["top_host_ops"], prof
     plans = steps["planner"]["rows"]
     assert plans and all(r.get("predicted_step_ms", 0) > 0 and r.get("measured_step_ms", 0) > 0 for r in plans), plans
     md = (out / "gpu_check.md").read_text()

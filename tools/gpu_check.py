@@ -157,11 +157,19 @@ def serving(check: Check, timeout: float) -> dict:
     # steps of a 1B after its load; 32 tokens each halves that)
     n, tokens = (8, 8) if check.cpu else (32, 32)
     path = os.path.join(check.work, "serve.json")
+    # --profile: the 32-at-once run once more under torch's profiler, after the measured rows (how the
+    # H200 of 2026-11-29 was found host-bound in cuDNN's attention: docs/gpu-results.md)
     check.sh([sys.executable, "tools/serve_bench.py", "--engine", *run, "--sets", "fixed", "--concurrency", f"1,{n}",
-              "--requests", str(n), "--max-tokens", str(tokens), "--max-seqs", str(n), "--json", path],
-             timeout - (time.monotonic() - t0))
+              "--requests", str(n), "--max-tokens", str(tokens), "--max-seqs", str(n), "--json", path,
+              "--profile", os.path.join(check.work, "serve_profile")], timeout - (time.monotonic() - t0))
+    rows = json.load(open(path))
+    prof = rows[-1].pop("profile")
+    top = "; ".join(f"{t['op']} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})" for t in prof["top_host_ops"])
     return {"shape": f"{n} requests of 12-139 prompt tokens, {tokens} tokens out each, greedy",
-            "rows": json.load(open(path))}
+            "note": f"profiled once more at concurrency {n}: {prof['steps']} steps, their forwards {prof['forward_ms']:,.0f} ms "
+                    f"(device synchronized); ops' time on the host {prof['host_ms']:,.0f} ms, on the device "
+                    f"{prof['device_ms']:,.0f} ms; most host time: {top}",
+            "profile": prof, "rows": rows}
 
 
 def plan_settings(check: Check) -> dict[str, list[str]]:

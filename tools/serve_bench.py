@@ -19,9 +19,10 @@ this process, no HTTP (the engine's own scaling, apart from the server's). `--pe
 --engine): the model exported as checkpoint.export_hf writes it (llama and hf models) and run by
 transformers' continuous batching (`generate_batch`: paged cache, block sharing on, --max-seqs
 requests a batch) on the same requests, greedy; one line per set: both throughputs side by side, the
-ratio, and how many requests got the same tokens. `--profile FOLDER` (with --engine): each concurrent
-run's steps (what each forward held, its time with the device synchronized) and torch's profiler
-tables, by host and by device time (how an H200's serving was found host-bound in cuDNN's attention:
+ratio, and how many requests got the same tokens. `--profile FOLDER` (with --engine): each set's last
+concurrency run once more, profiled (the rows are not): its steps (what each forward held, its time
+with the device synchronized), torch's profiler tables by host and by device time, and a summary in
+the row (`profile`) (how an H200's serving was found host-bound in cuDNN's attention:
 docs/gpu-results.md). One run, side by side: the ratios are the result; the
 absolute numbers are this machine's.
 """
@@ -174,7 +175,7 @@ def engine_runner(args, rest):
     cli.size_engine(a, loaded.built.model, loaded.device)  # the server's dtype and slot length
     max_len = a.max_model_len
 
-    def run_engine(bodies: list[dict], concurrency: int) -> dict:
+    def run_engine(bodies: list[dict], concurrency: int, profile: bool = False) -> dict:
         engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
                         a.prefill_tokens, prefix_caching=a.prefix_caching)
         records, ended = [], []
@@ -193,7 +194,7 @@ def engine_runner(args, rest):
             rec["job"] = job
             engine.submit(job)
         queue = list(bodies)
-        steps, profiler = step_log(engine, loaded.device) if args.profile and concurrency > 1 else (None, None)
+        steps, profiler = step_log(engine, loaded.device) if profile else (None, None)
         t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(min(concurrency, len(queue))):
             submit(queue.pop(0))
@@ -205,7 +206,7 @@ def engine_runner(args, rest):
                     submit(queue.pop(0))
         wall = time.perf_counter() - t0
         if steps is not None:
-            write_profile(args.profile, concurrency, steps, profiler)
+            run_engine.profile = write_profile(args.profile, concurrency, steps, profiler)
         progress(f"{len(bodies)} requests at concurrency {concurrency}: {wall:.1f} s")
         # the slot cache and its layers refer to each other: freed only by a collection, and the next
         # run's engine reserves its own (a 1B's on an H200 ran out of memory at the second run)
@@ -293,16 +294,28 @@ def step_log(engine, device):
     return steps, profiler
 
 
-def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) -> None:
+def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) -> dict:
+    """The profiled run's files (steps_c<N>.json, ops_c<N>.txt) -> its summary: the forwards' time, the
+    host's and the device's time in ops, the ops that took the most host time (share of the host's)."""
     profiler.__exit__(None, None, None)
     os.makedirs(folder, exist_ok=True)
+    ops = profiler.key_averages()
     with open(os.path.join(folder, f"steps_c{concurrency}.json"), "w") as fh:
         json.dump(steps, fh)
     with open(os.path.join(folder, f"ops_c{concurrency}.txt"), "w") as fh:
         for key in ("self_cpu_time_total", "self_device_time_total"):
-            fh.write(profiler.key_averages().table(sort_by=key, row_limit=30) + "\n")
-    forward_ms = sum(x["ms"] for x in steps)
-    progress(f"profile of concurrency {concurrency}: {len(steps)} steps, their forwards {forward_ms:.0f} ms -> {folder}")
+            fh.write(ops.table(sort_by=key, row_limit=30) + "\n")
+    host = sum(e.self_cpu_time_total for e in ops) / 1000
+    device = sum(getattr(e, "self_device_time_total", 0) for e in ops) / 1000
+    top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:3]
+    summary = dict(concurrency=concurrency, steps=len(steps), forward_ms=round(sum(x["ms"] for x in steps), 1),
+                   host_ms=round(host, 1), device_ms=round(device, 1),
+                   top_host_ops=[dict(op=e.key, ms=round(e.self_cpu_time_total / 1000, 1), calls=e.count,
+                                      share=round(e.self_cpu_time_total / 1000 / max(host, 1e-9), 3)) for e in top])
+    progress(f"profile of concurrency {concurrency}: {len(steps)} steps, their forwards {summary['forward_ms']:.0f} ms; "
+             f"host {host:.0f} ms, device {device:.0f} ms; most host time: "
+             + ", ".join(f"{t['op']} {100 * t['share']:.0f}%" for t in summary["top_host_ops"]) + f" -> {folder}")
+    return summary
 
 
 def progress(line: str) -> None:
@@ -321,14 +334,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-seqs", type=int, default=32)
     ap.add_argument("--json", default="")
-    ap.add_argument("--profile", default="", help="with --engine: a folder for each concurrent run's step times "
-                                                  "and torch profiler tables (slows the run it profiles)")
+    ap.add_argument("--profile", default="", help="with --engine: the last concurrency run once more, profiled: its "
+                                                  "step times and torch profiler tables into this folder")
     ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
     ap.add_argument("--peer", default="", choices=["", "transformers"],
                     help="with --engine: also transformers' continuous batching on the exported model, same requests")
     args, rest = ap.parse_known_args()
     if args.peer and not args.engine:
         raise SystemExit("serve_bench: --peer transformers runs beside --engine (both in this process)")
+    if args.profile and not args.engine:
+        raise SystemExit("serve_bench: --profile profiles the engine in this process: add --engine")
     proc, url = (None, "") if args.engine or args.url else start_server(args, rest)
     url = url or args.url
     try:
@@ -352,6 +367,9 @@ def main() -> None:
                 raise SystemExit(f"serve_bench: set {name}: a run produced no tokens (its errors above)")
             for r in set_rows:
                 r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
+            if args.profile:  # once more at the last concurrency, profiled (the rows above are not)
+                run_one(bodies, set_rows[-1]["concurrency"], profile=True)
+                set_rows[-1]["profile"] = run_one.profile
             rows += set_rows
             if args.peer:
                 peers.append(compare_peer(name, bodies, args.max_seqs, run_one))
