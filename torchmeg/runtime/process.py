@@ -245,9 +245,10 @@ def inject_kill(step: int, rank: int) -> None:
 
 def inject_node_loss(step: int, fresh: bool) -> None:
     """Test hook: TORCHMEG_TEST_KILL_NODE_AT_STEP=N (+ TORCHMEG_TEST_KILL_NODE, a GROUP_RANK, default
-    1): every worker of that node SIGKILLs its launcher agent and itself after step N: the node is
-    lost. Only in a run that started fresh: a resumed one (on a replacement node too) goes on."""
+    1, or `any`: every node whose agent has these variables): every worker of that node SIGKILLs its
+    launcher agent and itself after step N: the node is lost. Only in a run that started fresh: a
+    resumed one (on a replacement node too) goes on."""
     if (os.environ.get("TORCHMEG_TEST_KILL_NODE_AT_STEP") == str(step) and fresh
-            and os.environ.get("GROUP_RANK") == os.environ.get("TORCHMEG_TEST_KILL_NODE", "1")):
+            and os.environ.get("TORCHMEG_TEST_KILL_NODE", "1") in ("any", os.environ.get("GROUP_RANK"))):
         os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
