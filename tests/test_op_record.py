@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchmeg.observe.op_record import OpRecorder
-from tests.tolerance import assert_tensor_close
+from conftest import assert_tensor_close
 
 
 @pytest.mark.parametrize("emulate, want", [(False, {"_scaled_mm": ["float8_e4m3fn", "float8_e5m2"]}),
