@@ -277,9 +277,9 @@ def step_log(engine, device):
     import torch  # lazy: --engine only
     from torch.profiler import ProfilerActivity, profile
     steps, forward = [], engine.runner.forward
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(plan):
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()
         t = time.perf_counter()
         out = forward(plan)

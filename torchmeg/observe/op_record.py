@@ -9,6 +9,7 @@ Ops inside compiled graphs run as inductor kernels and are not seen.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 
@@ -43,11 +44,14 @@ def _unwrapping(types) -> type | None:
     float8 and MX training tensors say "bfloat16" and hold float8 (the same H200 run recorded its float8
     matmuls as a bf16 `mm`). DTensor (duck-typed by `placements`: this module imports nothing
     distributed) says its local tensors' dtype and is recorded as it is."""
-    for cls in types:
-        if cls is not torch.Tensor and "placements" not in dir(cls) and \
-                isinstance(inspect.getattr_static(cls, "__torch_dispatch__", None), classmethod):
-            return cls
-    return None
+    return next((cls for cls in types if _hides_dtype(cls)), None)
+
+
+@functools.cache
+def _hides_dtype(cls: type) -> bool:
+    # (asked of every op a recorded step dispatches: decided once per class)
+    return cls is not torch.Tensor and "placements" not in dir(cls) and \
+        isinstance(inspect.getattr_static(cls, "__torch_dispatch__", None), classmethod)
 
 
 def _name(dtype: torch.dtype) -> str:
