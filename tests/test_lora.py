@@ -283,3 +283,74 @@ def test_adapters_off_is_the_base_model_and_copies_nothing():
     assert torch.equal(off, base) and not torch.allclose(adapted, base)
     assert torch.equal(model(x), adapted)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_lora_defaults_init_and_rslora_are_pefts(tmp_path):
+    """[lora]'s defaults are PEFT's `LoraConfig()` (r, lora_alpha, lora_dropout, use_rslora,
+    init_lora_weights); A is drawn as PEFT's default draws it (kaiming-uniform, a = sqrt(5): uniform
+    within 1/sqrt(in), PEFT's own adapters on the same model judged the same way), "gaussian" as PEFT's
+    N(0, 1/r), B = 0; and with rsLoRA (update x alpha / sqrt(r)) the exported adapter loads in PEFT
+    with torchmeg's logits, as do the merged weights."""
+    import math
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from torchmeg.checkpoint import lora_export
+    from torchmeg.checkpoint.hf_files import save_hf_native
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model, init_weights, model_args
+    from torchmeg.models.lora import adapters
+    from torchmeg.train.build import add_adapters
+    recipe = os.path.join(ROOT, "recipes/hf_llama_debug.toml")
+    cfg = load_config(recipe, ["--lora.enable=true"])
+    peft_default = LoraConfig()
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.use_rslora, cfg.lora.init_lora_weights) == \
+        (peft_default.r, peft_default.lora_alpha, peft_default.lora_dropout, peft_default.use_rslora,
+         peft_default.init_lora_weights)
+
+    def built(overrides):
+        c = load_config(recipe, ["--lora.enable=true"] + overrides)
+        model = build_model(c, 257, "cpu")
+        add_adapters(model, c)
+        init_weights(model, seed=0)
+        return c, model
+
+    def spread(a: torch.Tensor) -> tuple[float, float]:
+        """(max |a|, std) in units of PEFT's default bound 1/sqrt(in)."""
+        bound = 1 / math.sqrt(a.shape[1])
+        return a.abs().max().item() / bound, a.std().item() / bound
+    # kaiming-uniform: max |A| just under the bound, std = bound / sqrt(3); N(0, 1/r) at r = 8 and in >= 256
+    # has std >= 2 bounds (1/8 vs at most 1/16), its tails far past the bound
+    _, ours = built([])
+    peft = get_peft_model(AutoModelForCausalLM.from_config(model_args(cfg, 257).config), LoraConfig(
+        target_modules="all-linear"))
+    got = {m: spread(a.A.weight.detach()) for m, a in adapters(ours).items()}
+    theirs = {n[len("base_model.model."):-len(".lora_A.default.weight")]: spread(p.detach())
+              for n, p in peft.named_parameters() if ".lora_A." in n}
+    assert set(got) == set(theirs) and len(got) >= 7, (sorted(got), sorted(theirs))
+    for m, (top, std) in list(got.items()) + list(theirs.items()):
+        assert 0.95 < top <= 1.0 and abs(std * math.sqrt(3) - 1) < 0.1, (m, top, std)
+    assert all(not a.B.weight.any() for a in adapters(ours).values())
+    _, gauss = built(["--lora.init_lora_weights=gaussian"])
+    for a in adapters(gauss).values():
+        assert abs(a.A.weight.std().item() * 8 - 1) < 0.1, a.A.weight.std()  # N(0, 1/r), r = 8
+    # rsLoRA, rank 4, alpha 8: x4 (alpha / r would be x2); B trained (non-zero)
+    c, model = built(["--lora.use_rslora=true", "--lora.rank=4", "--lora.alpha=8"])
+    assert {a.scale for a in adapters(model).values()} == {4.0}
+    with torch.no_grad():
+        for a in adapters(model).values():
+            a.B.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(5))
+    args = model_args(c, 257)
+    base, pairs = lora_export.split(model.state_dict())
+    save_hf_native(base, args, str(tmp_path / "hf"))
+    lora_export.save_peft(pairs, args, c.lora, str(tmp_path / "hf" / "adapter"), True)
+    save_hf_native(lora_export.merge(base, pairs, lora_export.scaling(c.lora)), args, str(tmp_path / "merged"))
+    assert json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())["use_rslora"] is True
+    x = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model.eval()(x)
+        want = want.logits if hasattr(want, "logits") else want
+        load = lambda f: AutoModelForCausalLM.from_pretrained(str(tmp_path / f)).eval()  # noqa: E731
+        assert_tensor_close(PeftModel.from_pretrained(load("hf"), str(tmp_path / "hf" / "adapter")).eval()(x).logits,
+                            want, FP32_PARITY, "peft's logits (rsLoRA) vs torchmeg's")
+        assert_tensor_close(load("merged")(x).logits, want, FP32_PARITY, "merged (rsLoRA) logits vs torchmeg's")
+        assert (load("hf")(x).logits - want).abs().max() > 100 * FP32_PARITY * want.abs().max()  # the adapters matter

@@ -279,7 +279,7 @@ def to_hf(a, overrides: list[str]) -> None:
     if adapters and not cfg.lora.enable:
         raise ConfigError(f"{path} holds LoRA adapters: give the recipe they were trained with (lora.enable = true, "
                           f"its lora.rank and lora.alpha)")
-    scale = cfg.lora.alpha / cfg.lora.rank
+    scale = lora_export.scaling(cfg.lora)
     # Files of about max_shard_gb each, in FQN order; rank r writes files r, r + world, ...
     limit, files, size = a.max_shard_gb * 2 ** 30, [[]], 0
     for f in fqns:

@@ -27,7 +27,7 @@ def export_hf(model, args, cfg, folder: str) -> None:
         dtype = getattr(torch, cfg.checkpoint.export_dtype)
         sd, pairs = lora_export.split(sd)
         if pairs and cfg.lora.merge_on_export:
-            sd = lora_export.merge(sd, pairs, cfg.lora.alpha / cfg.lora.rank)
+            sd = lora_export.merge(sd, pairs, lora_export.scaling(cfg.lora))
         (save_hf if name == "llama" else save_hf_native)(sd, args, folder, dtype)
         write_generation_files(cfg, build_tokenizer(cfg.data.tokenizer), folder)  # a folder that stands alone
         print(f"[checkpoint] HF safetensors written to {folder}" + (" (LoRA merged)" if pairs and cfg.lora.merge_on_export

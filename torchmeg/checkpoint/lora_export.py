@@ -1,6 +1,6 @@
 """LoRA adapters out of torchmeg: in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`,
 which `peft.PeftModel.from_pretrained` loads onto the exported base model), or merged into the base
-weights (W + alpha / r · B A, computed in float32 before any cast).
+weights (W + s · B A, s = alpha / r or, with rsLoRA, alpha / sqrt(r); computed in float32 before any cast).
 
 Names: the adapter of torchmeg module `m` (torchmeg.models.lora: `m_lora.A` / `m_lora.B`) is PEFT's
 `base_model.model.<M>.lora_A.weight` / `.lora_B.weight`, M the transformers name of `m` (the same for
@@ -16,6 +16,7 @@ import torch
 
 from torchmeg.checkpoint.hf import hf_names, tensor_to_hf
 from torchmeg.checkpoint.hf_files import write_safetensors
+from torchmeg.models import lora
 from torchmeg.models.lora import SUFFIX, is_adapter
 
 ADAPTER_DIR = "adapter"  # beside the base model's safetensors
@@ -30,6 +31,11 @@ def split(sd: dict) -> tuple[dict, dict]:
             module, part = k[:-len(".weight")].rsplit(".", 1)  # m_lora, A | B
             pairs.setdefault(module[:-len(SUFFIX)], {})[part] = v
     return base, {m: (p["A"], p["B"]) for m, p in pairs.items()}
+
+
+def scaling(lora_cfg) -> float:
+    """The recipe's [lora] update factor, as the adapters compute it (models.lora.scaling)."""
+    return lora.scaling(lora_cfg.rank, lora_cfg.alpha, lora_cfg.use_rslora)
 
 
 def merge(base: dict, pairs: dict, scale: float) -> dict:
@@ -58,7 +64,7 @@ def save_peft(pairs: dict, args, lora_cfg, folder: str, hf_native: bool, base_pa
     write_safetensors(tensors, folder, "adapter_model.safetensors")
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora_cfg.rank, "lora_alpha": lora_cfg.alpha,
               "lora_dropout": lora_cfg.dropout, "target_modules": targets, "bias": "none", "fan_in_fan_out": False,
-              "use_rslora": False, "init_lora_weights": "gaussian", "modules_to_save": None, "inference_mode": True,
+              "use_rslora": lora_cfg.use_rslora, "init_lora_weights": lora_cfg.init_lora_weights, "modules_to_save": None, "inference_mode": True,
               "base_model_name_or_path": base_path}
     with open(os.path.join(folder, "adapter_config.json"), "w") as fh:
         json.dump(config, fh, indent=1)

@@ -18,7 +18,8 @@ def _check_field_ranges(cfg: Config) -> None:
             v, m = getattr(section, name), f.metadata
             key = f"{sec}.{name}"
             if m.get("choices") and v not in m["choices"]:
-                raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(map(str, m['choices']))}")
+                shown = (str(c).lower() if isinstance(c, bool) else str(c) for c in m["choices"])  # (as TOML writes them)
+                raise ConfigError(f"{key} = {v!r}: unknown choice; allowed: {', '.join(shown)}")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"{key} = {v!r}: must be a finite number")
             if isinstance(v, (int, float)) and not isinstance(v, bool):

@@ -303,9 +303,13 @@ class Grpo:
 @dataclass
 class Lora:
     enable: bool = _f(False, help="LoRA: the model frozen, low-rank adapters beside the target Linears trained")
-    rank: int = _f(16, lo=1, help="r: the adapters' inner dimension")
-    alpha: float = _f(32.0, lo=0.0, help="the update is scaled by alpha / rank (PEFT's lora_alpha)")
+    rank: int = _f(8, lo=1, help="r: the adapters' inner dimension (PEFT's r; its default)")
+    alpha: float = _f(8.0, lo=0.0, help="the update is scaled by alpha / rank (PEFT's lora_alpha; its default)")
     dropout: float = _f(0.0, lo=0.0, hi=0.99, help="dropout on the adapters' input (PEFT's lora_dropout)")
+    use_rslora: bool = _f(False, help="rsLoRA (PEFT's use_rslora): the update scaled by alpha / sqrt(rank)")
+    init_lora_weights: Union[bool, str] = _f(True, choices=[True, "gaussian"],
+                                             help="PEFT's init_lora_weights: true (its default: A kaiming-uniform "
+                                                  "as nn.Linear's) or 'gaussian' (A ~ N(0, 1/rank)); B = 0")
     target_modules: list = _f(["all-linear"], help="module patterns ('*' one name: 'layers.*.attention.wq'), or "
                                                     "'all-linear': every Linear in the blocks but MoE routers")
     merge_on_export: bool = _f(False, help="checkpoint.export_hf writes the merged weights instead of base + adapter")

@@ -13,7 +13,8 @@ step is an elementwise torch op, so it runs on the parameter's own device; ndtri
 element (no vectorisation-dependent rounding; checked), so how the block is cut into chunks never
 changes a value.
 
-Models say *what* each parameter gets with `init_rule(fqn)`: `Normal(std)` or `Constant(value)`;
+Models say *what* each parameter gets with `init_rule(fqn)`: `Normal(std)`, `Uniform(low, high)` or
+`Constant(value)`;
 `init_weights` / `materialize` apply the rules to a model, each rank to its own blocks.
 """
 from __future__ import annotations
@@ -39,6 +40,12 @@ class Normal:
 @dataclass(frozen=True)
 class Constant:
     value: float
+
+
+@dataclass(frozen=True)
+class Uniform:
+    low: float
+    high: float
 
 
 # SplitMix64's constants as signed int64 (torch has no full uint64 arithmetic; two's-complement
@@ -105,8 +112,8 @@ def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch
     dim), with what `rule` gives those elements under per-parameter `seed`."""
     if isinstance(rule, Constant):
         return out.fill_(rule.value)
-    if not isinstance(rule, Normal):
-        raise TypeError(f"unknown init rule {rule!r}; use torchmeg.models.init.Normal or Constant")
+    if not isinstance(rule, (Normal, Uniform)):
+        raise TypeError(f"unknown init rule {rule!r}; use torchmeg.models.init.Normal, Uniform or Constant")
     if out.numel() == 0:
         return out
     if not out.is_contiguous():
@@ -131,14 +138,22 @@ def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch
         r1 = min(r0 + rows_per, starts.numel())
         for c0 in range(0, inner, _CHUNK):
             c1 = min(c0 + _CHUNK, inner)
-            vals = standard_normal((starts[r0:r1, None] + col[None, c0:c1]).reshape(-1), key)
-            if rule.std != 1.0 or rule.mean != 0.0:
-                vals.mul_(rule.std).add_(rule.mean)
+            index = (starts[r0:r1, None] + col[None, c0:c1]).reshape(-1)
+            if isinstance(rule, Uniform):  # (the same uniforms the normal draws invert, scaled in float64)
+                u = open_uniform(_bits(index, key, torch.empty_like(index)))
+                vals = u.mul_(rule.high - rule.low).add_(rule.low).to(torch.float32)
+            else:
+                vals = standard_normal(index, key)
+                if rule.std != 1.0 or rule.mean != 0.0:
+                    vals.mul_(rule.std).add_(rule.mean)
             rows[r0:r1, c0:c1].copy_(vals.view(r1 - r0, c1 - c0))
     return out
 
 
 # ---- applying the rules to a model ------------------------------------------------------------
+
+_ADAPTER_RULES = {"uniform": lambda bound: Uniform(-bound, bound), "normal": Normal, "zero": lambda: Constant(0.0)}
+
 
 def param_seed(seed: int, fqn: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(fqn.encode())) % (2 ** 63)
@@ -157,14 +172,14 @@ def init_weights(model: nn.Module, seed: int, block: Callable | None = None) -> 
     """
     seen = set()
     with torch.no_grad():
-        for fqn, p in model.named_parameters():
+        for name, p in model.named_parameters():
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            fqn = canonical_fqn(fqn)
+            fqn = canonical_fqn(name)
             local, offset = block(p) if block is not None else (p, (0,) * p.dim())
-            std = lora.init_std(fqn, p.shape)  # an adapter: PEFT's gaussian init, whatever the model
-            rule = (Normal(std) if std else Constant(0.0)) if std is not None else \
+            adapter = lora.init_rule(model, name, fqn, p.shape)  # an adapter: PEFT's init, whatever the model
+            rule = _ADAPTER_RULES[adapter[0]](*adapter[1:]) if adapter is not None else \
                 model.init_rule(fqn) if hasattr(model, "init_rule") else None
             if rule is not None:
                 fill_block_(local, rule, param_seed(seed, fqn), p.shape, offset)

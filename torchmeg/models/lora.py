@@ -1,6 +1,7 @@
 """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models", eq. 3): a frozen
-Linear W gains a trainable low-rank update, h = W x + (alpha / r) · B A dropout(x), A [r, in] and
-B [out, r]; B starts at zero, so the adapted model starts as the base model.
+Linear W gains a trainable low-rank update, h = W x + s · B A dropout(x), A [r, in] and B [out, r],
+s = alpha / r (PEFT's default) or alpha / sqrt(r) (rsLoRA, Kalajdzievski 2023: PEFT's `use_rslora`);
+B starts at zero, so the adapted model starts as the base model.
 
 Plain single-device PyTorch, as every model file. The adapter of module `...wq` is a sibling module
 `...wq_lora` (`A`, `B`: nn.Linear without bias) whose output a forward hook adds to the base Linear's:
@@ -9,10 +10,14 @@ the base keeps its own name, weights and TP role, and a tensor-parallel style th
 shards A and B to match the base's role (the tensor-parallel pass). PEFT names the same tensors
 `<module>.lora_A.weight` / `<module>.lora_B.weight` (torchmeg.checkpoint.lora_export).
 
-Initialisation as PEFT's `init_lora_weights="gaussian"`: A ~ N(0, 1/r), B = 0 (`init_std` below,
-applied by torchmeg.models.init from (seed, name) like every parameter).
+Initialisation as PEFT's `init_lora_weights`: `True` (PEFT's default) draws A as nn.Linear's own
+default init does, kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); "gaussian" draws
+A ~ N(0, 1/r); B = 0 either way (`init_rule` below, applied by torchmeg.models.init from (seed, name)
+like every parameter, so every layout draws one process's values).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -46,13 +51,20 @@ class InputDropout(nn.Module):
         return f"p={self.p}"
 
 
+def scaling(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    """The update's factor s (PEFT's `scaling`): alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
 class LoRA(nn.Module):
-    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0):
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float, dropout: float = 0.0,
+                 use_rslora: bool = False, init: bool | str = True):
         super().__init__()
         self.A = nn.Linear(in_features, rank, bias=False)
         self.B = nn.Linear(rank, out_features, bias=False)
         self.dropout = InputDropout(dropout) if dropout > 0 else nn.Identity()
-        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.rank, self.alpha, self.scale = rank, alpha, scaling(rank, alpha, use_rslora)
+        self.init = init  # PEFT's init_lora_weights: True (kaiming-uniform A) or "gaussian"
         self.enabled = True  # (adapters_off: the base model's forward)
 
     def forward(self, x):
@@ -100,7 +112,8 @@ def targets(model: nn.Module, patterns: list[str], block_root: str) -> list[str]
     return out
 
 
-def attach(model: nn.Module, names: list[str], rank: int, alpha: float, dropout: float) -> None:
+def attach(model: nn.Module, names: list[str], rank: int, alpha: float, dropout: float, use_rslora: bool = False,
+           init: bool | str = True) -> None:
     """An adapter beside each named Linear, every other parameter frozen."""
     for p in model.parameters():
         p.requires_grad_(False)
@@ -108,7 +121,7 @@ def attach(model: nn.Module, names: list[str], rank: int, alpha: float, dropout:
         base = model.get_submodule(fqn)
         parent_name, _, leaf = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        lora = LoRA(base.in_features, base.out_features, rank, alpha, dropout).to(base.weight.device)
+        lora = LoRA(base.in_features, base.out_features, rank, alpha, dropout, use_rslora, init).to(base.weight.device)
         parent.add_module(leaf + SUFFIX, lora)
         object.__setattr__(base, "lora_adapter", lora)  # not registered: the base's own parameters stay its own
         base.register_forward_hook(_add_update)
@@ -123,10 +136,16 @@ def is_adapter(fqn: str) -> bool:
     return f"{SUFFIX}.A." in fqn or f"{SUFFIX}.B." in fqn
 
 
-def init_std(fqn: str, shape) -> float | None:
-    """PEFT's gaussian init: A ~ N(0, 1/r) (r = A's rows), B = 0 (0.0); None for other parameters."""
-    if fqn.endswith(f"{SUFFIX}.A.weight"):
-        return 1.0 / shape[0]
+def init_rule(model: nn.Module, name: str, fqn: str, shape) -> tuple | None:
+    """An adapter weight's init, as PEFT's `init_lora_weights` of its adapter: ("uniform", bound) for A
+    under True (kaiming-uniform, a = sqrt(5): bound 1/sqrt(in)), ("normal", 1/r) for A under "gaussian",
+    ("zero",) for B; None for other parameters. `name`: the parameter's name in `model` (wrappers
+    included), `fqn` its canonical name."""
     if fqn.endswith(f"{SUFFIX}.B.weight"):
-        return 0.0
-    return None
+        return ("zero",)
+    if not fqn.endswith(f"{SUFFIX}.A.weight"):
+        return None
+    adapter = model.get_submodule(name.rsplit(".", 2)[0])
+    if adapter.init == "gaussian":
+        return ("normal", 1.0 / shape[0])
+    return ("uniform", 1.0 / math.sqrt(shape[1]))

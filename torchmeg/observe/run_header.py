@@ -8,7 +8,7 @@ from torchmeg import __version__
 from torchmeg.runtime import process as runtime
 from torchmeg.kernels.fused_ce import chunk_rows
 from torchmeg.models.count import active_params, count_params
-from torchmeg.models.lora import adapters
+from torchmeg.models.lora import adapters, scaling as lora_scaling
 from torchmeg.config.checks import decay_steps
 
 
@@ -86,7 +86,9 @@ def _lora_lines(cfg, whole, n: int) -> list[str]:
     found = adapters(whole)
     trained = sum(p.numel() for a in found.values() for p in a.parameters())
     lo = cfg.lora
-    return [f"lora       rank {lo.rank}, alpha {lo.alpha:g} (update x{lo.alpha / lo.rank:g}), dropout {lo.dropout:g}: "
+    scale = f"alpha / sqrt(rank), rsLoRA: x{lora_scaling(lo.rank, lo.alpha, True):g}" if lo.use_rslora \
+        else f"x{lora_scaling(lo.rank, lo.alpha):g}"
+    return [f"lora       rank {lo.rank}, alpha {lo.alpha:g} (update {scale}), dropout {lo.dropout:g}: "
             f"{len(found)} adapters on {', '.join(lo.target_modules)}; {trained / 1e6:.3f}M trainable params "
             f"({trained / n:.2%} of {n / 1e6:.2f}M), the rest frozen"]
 

@@ -121,7 +121,8 @@ def add_adapters(model: nn.Module, cfg) -> list[str]:
     if not names:
         raise ConfigError(f"lora.target_modules = {list(cfg.lora.target_modules)}: matches no nn.Linear of the model "
                           f"('*' matches one name, e.g. 'layers.*.attention.wq'; or 'all-linear')")
-    lora.attach(model, names, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout)
+    lo = cfg.lora
+    lora.attach(model, names, lo.rank, lo.alpha, lo.dropout, lo.use_rslora, lo.init_lora_weights)
     if cfg.training.mixed_precision == "bf16":
         # The frozen weights are only ever read in bf16 (the policy casts them for every forward) and
         # never updated: stored in bf16 they give the same compute and need no fp32 master copy.
