@@ -168,3 +168,37 @@ def test_a_one_letter_answer_is_trained_where_it_stands(tmp_path):
     targets = bytes(ids[mask > 0].tolist()).decode()
     assert targets == "a<|im_end|>\n" and text.endswith("<|im_start|>assistant\na<|im_end|>\n"), (text, targets)
     assert np.flatnonzero(mask)[0] == len(text.encode()) - len(targets.encode())
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_prompt_completion_records_train_as_trls_sft_trainer(name, tmp_path, tokenizer_json):
+    """TRL's conversational prompt-completion records (`prompt` and `completion` message lists) in an SFT
+    file: the ids and targets torchmeg reads are those TRL 1.16's SFTTrainer builds from the same file
+    on its defaults (`completion_only_loss` for such records: every token after the prompt rendered
+    with its generation prompt, from where the two renderings part), on each real template; the
+    completion one answer, or an answer, a question and an answer."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+    from torchmeg.data.chat import ChatTemplate, encode_conversation
+    from torchmeg.data.chat_data import read_records
+    from torchmeg.data.tokenizer import build_tokenizer
+    path = _folder(tmp_path, tokenizer_json, name)
+    hf, tok, template = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json"), ChatTemplate.load(path)
+    records = [{"prompt": m[:-1], "completion": m[-1:]} for m in CONVERSATIONS]
+    records += [{"prompt": m[:-3], "completion": m[-3:]} for m in CONVERSATIONS if len(m) >= 4 and m[-3]["role"] == A]
+    file = tmp_path / "pc.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    ours = [encode_conversation(template, tok, messages, completion_from=k) for _, messages, k in read_records(str(file))]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    trainer = SFTTrainer(model=model, processing_class=hf, train_dataset=Dataset.from_list(records),
+                         args=SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none"))
+    assert trainer.args.completion_only_loss in (None, True) and not trainer.args.assistant_only_loss  # (defaults)
+    theirs = trainer.train_dataset
+    assert len(theirs) == len(ours) == len(records) and len(records) > len(CONVERSATIONS)
+    for k, (row, (ids, mask)) in enumerate(zip(theirs, ours)):
+        assert ids.tolist() == list(row["input_ids"]), (name, k)
+        want = [int(label != -100) for label in row["labels"]]
+        assert mask.tolist() == want, (name, k, _spans(hf, ids, mask), _spans(hf, ids, np.asarray(want)))
+        assert 0 < mask.sum() < len(mask)

@@ -272,6 +272,9 @@ BAD = {
                  "has role 'robot'"),
     "not json": ('{"messages": [', "not JSON"),
     "no messages": ('{"text": "plain"}', "needs a 'messages' list"),
+    "text prompt-completion": ('{"prompt": "2+2?", "completion": "4"}', "text prompt-completion records are not read"),
+    "empty completion": ('{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", '
+                         '"content": " "}]}', "the completion is empty"),
 }
 
 

@@ -297,6 +297,17 @@ def check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
+def check_completion(prompt, completion, where: str) -> list[dict]:
+    """TRL's conversational prompt-completion record as one conversation (check_turns), its completion
+    holding something to train on; or ChatDataError naming `where` and what is wrong."""
+    if not isinstance(completion, list) or not completion:
+        raise ChatDataError(f"{where}: 'completion' must be a non-empty list of {{'role', 'content'}}")
+    messages = check_turns(list(prompt) + list(completion), where)
+    if not any(m["content"].strip() for m in completion):
+        raise ChatDataError(f"{where}: the completion is empty (nothing to train on)")
+    return messages
+
+
 def token_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, [n, 2] character offsets) of `text` as the tokenizer splits it, no special tokens added."""
     hf = getattr(tokenizer, "tok", None)
@@ -312,15 +323,24 @@ def token_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
 
-def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
-                        train_on_prompt: bool = False, last_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict], train_on_prompt: bool = False,
+                        last_only: bool = False, completion_from: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids, target mask) of one conversation: ids as transformers' apply_chat_template(tokenize=True)
     gives them; mask[i] = 1 where token i is a training target (any character of it inside an
-    assistant span, or only the last one's with `last_only`; every token with `train_on_prompt`)."""
+    assistant span, or only the last one's with `last_only`; every token with `train_on_prompt`).
+    `completion_from` (TRL's prompt-completion record: messages[:completion_from] its prompt): the
+    targets are what follows the prompt rendered with its generation prompt, from where the two
+    renderings part (TRL's completion mask, its `common_prefix_length` taken on characters)."""
     if train_on_prompt:
         ids, _ = token_offsets(tokenizer, template.render(messages))
         return ids, np.ones(len(ids), dtype=np.uint8)
-    text, spans = template.target_spans(messages, last_only)
+    if completion_from is not None:
+        text = template.render(messages)
+        prompt = template.render(messages[:completion_from], add_generation_prompt=True)
+        start = next((i for i, (a, b) in enumerate(zip(prompt, text)) if a != b), min(len(prompt), len(text)))
+        spans = [(start, len(text))]
+    else:
+        text, spans = template.target_spans(messages, last_only)
     ids, offsets = token_offsets(tokenizer, text)
     mask = np.zeros(len(ids), dtype=np.uint8)
     for a, b in spans:  # every token overlapping a span, as transformers' assistant mask

@@ -1,7 +1,8 @@
 """Supervised fine-tuning data: chat files -> tokenized conversations -> packed windows.
 
-Records are `{"messages": [{"role", "content"}, ...]}`, one per line of a `.jsonl` file or one per
-row of a `.parquet` file (pyarrow), or the built-in `python_stdlib_chat` (question-and-answer
+Records are `{"messages": [{"role", "content"}, ...]}` or TRL's conversational prompt-completion
+`{"prompt": [...], "completion": [...]}` (trained on the completion), one per line of a `.jsonl` file or
+one per row of a `.parquet` file (pyarrow), or the built-in `python_stdlib_chat` (question-and-answer
 conversations about the standard library, built from its own docstrings: real text, no download).
 Each conversation is rendered with the chat template and tokenized once (torchmeg.data.chat), and
 kept in the data cache keyed by the file's contents, the template, the tokenizer and the options.
@@ -26,7 +27,7 @@ import textwrap
 import numpy as np
 import torch
 
-from torchmeg.data.chat import ChatDataError, ChatTemplate, check_messages, encode_conversation
+from torchmeg.data.chat import ChatDataError, ChatTemplate, check_completion, check_messages, encode_conversation
 from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_CHAT
 from torchmeg.kernels.fused_ce import IGNORE
@@ -67,11 +68,24 @@ def read_json_records(path: str):
 
 
 def read_records(path: str):
-    """Yield (where, messages) for each record of a chat file, checked (torchmeg.data.chat.check_messages)."""
+    """Yield (where, messages, completion_from) for each record of a chat file, checked
+    (torchmeg.data.chat.check_messages). A `messages` record: completion_from None. TRL's
+    conversational prompt-completion record (`prompt` and `completion`, each a list of messages): the
+    conversation prompt + completion, completion_from = len(prompt) (trained on the completion, as
+    TRL's default `completion_only_loss` for such records)."""
     for where, record in read_json_records(path):
+        if isinstance(record, dict) and "messages" not in record and "prompt" in record and "completion" in record:
+            prompt, completion = record["prompt"], record["completion"]
+            if not (isinstance(prompt, list) and isinstance(completion, list)):
+                raise ChatDataError(f"{where}: 'prompt' and 'completion' must be lists of {{'role', 'content'}} "
+                                    f"(TRL's conversational format); text prompt-completion records are not read "
+                                    f"for SFT: give the conversation as 'messages'")
+            yield where, check_completion(prompt, completion, where), len(prompt)
+            continue
         if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-            raise ChatDataError(f"{where}: a record needs a 'messages' list")
-        yield where, check_messages(record["messages"], where)
+            raise ChatDataError(f"{where}: a record needs a 'messages' list (or TRL's 'prompt' and 'completion' "
+                                f"lists)")
+        yield where, check_messages(record["messages"], where), None
 
 
 def stdlib_conversations() -> list[list[dict]]:
@@ -162,11 +176,12 @@ def tokenize_conversations(paths: list[str], template: ChatTemplate, tokenizer, 
             return Conversations(z["ids"], z["mask"], z["starts"], ", ".join(paths), template.name)
     ids, mask, starts = [], [], [0]
     for p in paths:
-        records = (((f"{BUILTIN_CHAT}[{i}]", m) for i, m in enumerate(stdlib_conversations()))
+        records = (((f"{BUILTIN_CHAT}[{i}]", m, None) for i, m in enumerate(stdlib_conversations()))
                    if p == BUILTIN_CHAT else read_records(p))
-        for where, messages in records:
+        for where, messages, completion_from in records:
             try:
-                a, m = encode_conversation(template, tokenizer, messages, train_on_prompt)
+                a, m = encode_conversation(template, tokenizer, messages, train_on_prompt,
+                                           completion_from=completion_from)
             except ChatDataError as e:
                 raise ChatDataError(f"{where}: {e}") from None
             except Exception as e:  # the template raised (raise_exception) or could not render the record
