@@ -202,3 +202,47 @@ def test_prompt_completion_records_train_as_trls_sft_trainer(name, tmp_path, tok
         want = [int(label != -100) for label in row["labels"]]
         assert mask.tolist() == want, (name, k, _spans(hf, ids, mask), _spans(hf, ids, np.asarray(want)))
         assert 0 < mask.sum() < len(mask)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2_5"])
+def test_standard_sft_records_train_as_trls_sft_trainer(name, tmp_path, tokenizer_json):
+    """TRL's standard SFT records, no chat template involved: prompt-completion strings (trained on the
+    completion) and language modeling `text` (every token), each ended by the tokenizer's configured
+    end-of-sequence token unless it ends with it: the ids and targets torchmeg reads are those TRL 1.16's
+    SFTTrainer builds on its defaults; a Llama-3 style tokenizer that adds a BOS (its post-processor)
+    included, as `tokenizer(text)` adds it."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, processors
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+    from torchmeg.data.chat_data import read_records
+    from torchmeg.data.tokenizer import build_tokenizer
+    from torchmeg.data.trl_records import encode_text
+    path = _folder(tmp_path, tokenizer_json, name)
+    eos, bos = FAMILIES[name]
+    if bos:  # the post-processor adds it, as Llama 3's tokenizer.json does
+        tok = Tokenizer.from_file(path + "/tokenizer.json")
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+        tok.save(path + "/tokenizer.json")
+    hf, ours_tok = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json")
+    sets = {"prompt-completion": [{"prompt": "Q: 2 + 2?\nA:", "completion": " 4"},
+                                  {"prompt": "Name a textwrap function:", "completion": " dedent" + eos},
+                                  {"prompt": "ünï ✓ ", "completion": "日本"}],
+            "text": [{"text": "def f(x):\n    return x"}, {"text": "already ended" + eos}]}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    for kind, records in sets.items():
+        file = tmp_path / f"{kind}.jsonl"
+        file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        ours = [encode_text(ours_tok, record) for _, record, _ in read_records(str(file))]
+        trainer = SFTTrainer(model=model, processing_class=hf, train_dataset=Dataset.from_list(records),
+                             args=SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none"))
+        assert trainer.args.completion_only_loss in (None, True) and hf.eos_token == eos  # (TRL's defaults)
+        theirs = trainer.train_dataset
+        assert len(theirs) == len(ours) == len(records)
+        for k, (row, (ids, mask)) in enumerate(zip(theirs, ours)):
+            assert ids.tolist() == list(row["input_ids"]), (name, kind, k, hf.decode(ids), hf.decode(row["input_ids"]))
+            assert ids[-1] == hf.eos_token_id and (bool(bos) and ids[0] == hf.convert_tokens_to_ids(bos)) == bool(bos), (name, kind, k)
+            want = [int(label != -100) for label in row["labels"]]
+            assert mask.tolist() == want, (name, kind, k, _spans(hf, ids, mask), _spans(hf, ids, np.asarray(want)))
+            assert mask.all() if kind == "text" else 0 < mask.sum() < len(mask)

@@ -271,8 +271,10 @@ BAD = {
     "bad role": ('{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x"}]}',
                  "has role 'robot'"),
     "not json": ('{"messages": [', "not JSON"),
-    "no messages": ('{"text": "plain"}', "needs a 'messages' list"),
-    "text prompt-completion": ('{"prompt": "2+2?", "completion": "4"}', "text prompt-completion records are not read"),
+    "no messages": ('{"content": "plain"}', "needs a 'messages' list"),
+    "mixed prompt-completion": ('{"prompt": "2+2?", "completion": [{"role": "assistant", "content": "4"}]}',
+                                "must both be strings or both lists"),
+    "empty text": ('{"text": " "}', "text must be a non-empty string"),
     "empty completion": ('{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", '
                          '"content": " "}]}', "the completion is empty"),
 }

@@ -297,17 +297,6 @@ def check_messages(messages, where: str) -> list[dict]:
     return messages
 
 
-def check_completion(prompt, completion, where: str) -> list[dict]:
-    """TRL's conversational prompt-completion record as one conversation (check_turns), its completion
-    holding something to train on; or ChatDataError naming `where` and what is wrong."""
-    if not isinstance(completion, list) or not completion:
-        raise ChatDataError(f"{where}: 'completion' must be a non-empty list of {{'role', 'content'}}")
-    messages = check_turns(list(prompt) + list(completion), where)
-    if not any(m["content"].strip() for m in completion):
-        raise ChatDataError(f"{where}: the completion is empty (nothing to train on)")
-    return messages
-
-
 def token_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, [n, 2] character offsets) of `text` as the tokenizer splits it, no special tokens added."""
     hf = getattr(tokenizer, "tok", None)

@@ -1,8 +1,9 @@
 """Supervised fine-tuning data: chat files -> tokenized conversations -> packed windows.
 
-Records are `{"messages": [{"role", "content"}, ...]}` or TRL's conversational prompt-completion
-`{"prompt": [...], "completion": [...]}` (trained on the completion), one per line of a `.jsonl` file or
-one per row of a `.parquet` file (pyarrow), or the built-in `python_stdlib_chat` (question-and-answer
+Records are `{"messages": [{"role", "content"}, ...]}` or TRL's other formats: prompt-completion
+`{"prompt": [...], "completion": [...]}` (message lists, or strings: trained on the completion) and
+language modeling `{"text": "..."}` (every token), one per line of a `.jsonl` file or one per row of a
+`.parquet` file (pyarrow), or the built-in `python_stdlib_chat` (question-and-answer
 conversations about the standard library, built from its own docstrings: real text, no download).
 Each conversation is rendered with the chat template and tokenized once (torchmeg.data.chat), and
 kept in the data cache keyed by the file's contents, the template, the tokenizer and the options.
@@ -27,7 +28,8 @@ import textwrap
 import numpy as np
 import torch
 
-from torchmeg.data.chat import ChatDataError, ChatTemplate, check_completion, check_messages, encode_conversation
+from torchmeg.data.chat import ChatDataError, ChatTemplate, check_messages, encode_conversation
+from torchmeg.data.trl_records import TextRecord, check_completion, check_text, encode_text
 from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_CHAT
 from torchmeg.kernels.fused_ce import IGNORE
@@ -72,19 +74,25 @@ def read_records(path: str):
     (torchmeg.data.chat.check_messages). A `messages` record: completion_from None. TRL's
     conversational prompt-completion record (`prompt` and `completion`, each a list of messages): the
     conversation prompt + completion, completion_from = len(prompt) (trained on the completion, as
-    TRL's default `completion_only_loss` for such records)."""
+    TRL's default `completion_only_loss` for such records). TRL's standard records (`prompt` and
+    `completion` strings; `text`, language modeling): a chat.TextRecord in place of the messages."""
     for where, record in read_json_records(path):
         if isinstance(record, dict) and "messages" not in record and "prompt" in record and "completion" in record:
             prompt, completion = record["prompt"], record["completion"]
-            if not (isinstance(prompt, list) and isinstance(completion, list)):
-                raise ChatDataError(f"{where}: 'prompt' and 'completion' must be lists of {{'role', 'content'}} "
-                                    f"(TRL's conversational format); text prompt-completion records are not read "
-                                    f"for SFT: give the conversation as 'messages'")
-            yield where, check_completion(prompt, completion, where), len(prompt)
+            if isinstance(prompt, str) and isinstance(completion, str):  # TRL's standard prompt-completion
+                yield where, check_text(prompt, completion, where), None
+            elif isinstance(prompt, list) and isinstance(completion, list):
+                yield where, check_completion(prompt, completion, where), len(prompt)
+            else:
+                raise ChatDataError(f"{where}: 'prompt' and 'completion' must both be strings or both lists of "
+                                    f"{{'role', 'content'}} (TRL's standard and conversational formats)")
+            continue
+        if isinstance(record, dict) and "messages" not in record and "text" in record:  # TRL's language modeling
+            yield where, check_text(None, record["text"], where), None
             continue
         if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
-            raise ChatDataError(f"{where}: a record needs a 'messages' list (or TRL's 'prompt' and 'completion' "
-                                f"lists)")
+            raise ChatDataError(f"{where}: a record needs a 'messages' list (or TRL's 'prompt' and 'completion', "
+                                f"or 'text')")
         yield where, check_messages(record["messages"], where), None
 
 
@@ -180,8 +188,8 @@ def tokenize_conversations(paths: list[str], template: ChatTemplate, tokenizer, 
                    if p == BUILTIN_CHAT else read_records(p))
         for where, messages, completion_from in records:
             try:
-                a, m = encode_conversation(template, tokenizer, messages, train_on_prompt,
-                                           completion_from=completion_from)
+                a, m = (encode_text(tokenizer, messages, train_on_prompt) if isinstance(messages, TextRecord) else
+                        encode_conversation(template, tokenizer, messages, train_on_prompt, completion_from=completion_from))
             except ChatDataError as e:
                 raise ChatDataError(f"{where}: {e}") from None
             except Exception as e:  # the template raised (raise_exception) or could not render the record
