@@ -8,7 +8,7 @@ them, and TRL's training twins with `{% generation %}` markers) — against tran
   i is render(messages[:i+1]) minus render(messages[:i], add_generation_prompt=True), where both are
   prefixes of the whole rendering; the turns of templates that render earlier reasoning differently
   (Qwen3, R1) are spelled out below;
-- DPO's chosen and rejected rows: the same, for the final turn only.
+- DPO's chosen and rejected rows: those TRL's DPOTrainer builds (below).
 
 The conversations are adversarial: answers that also occur in the template's header ("a" inside
 <|im_start|>, "assistant", "end"), in the question and the system prompt; one-letter, numeric,
@@ -112,7 +112,6 @@ def _spans(hf, ids, mask) -> list[str]:
 def test_targets_equal_transformers_on_real_templates(name, tmp_path, tokenizer_json):
     from transformers import AutoTokenizer
     from torchmeg.data.chat import ChatTemplate, encode_conversation
-    from torchmeg.data.pairs import encode_side
     from torchmeg.data.tokenizer import build_tokenizer
     path = _folder(tmp_path, tokenizer_json, name)
     hf, tok, template = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json"), ChatTemplate.load(path)
@@ -133,27 +132,6 @@ def test_targets_equal_transformers_on_real_templates(name, tmp_path, tokenizer_
             assert mask.tolist() == want.tolist(), (name, k, _spans(hf, ids, mask), _spans(hf, ids, want))
         assert mask.sum() > 0 and not mask[:3].any()  # something is trained; the header never is
         checked += 1
-        # DPO: the conversation before the final answer is the prompt; chosen = that answer, rejected another
-        *prompt, answer = messages
-        for side in (answer["content"], "b"):
-            ids, mask = encode_side(template, tok, prompt, side)
-            full = prompt + [{"role": "assistant", "content": side}]
-            out = hf.apply_chat_template(full, tokenize=True, return_dict=True,
-                                         return_assistant_tokens_mask=template.marked)
-            assert ids.tolist() == list(out["input_ids"]), (name, k, side)
-            if template.marked:  # the marked blocks after the prompt conversation
-                cut = len(hf.apply_chat_template(prompt, tokenize=False))
-                offsets = hf(hf.apply_chat_template(full, tokenize=False), add_special_tokens=False,
-                             return_offsets_mapping=True)["offset_mapping"]
-                want = np.asarray(out["assistant_masks"], dtype=np.uint8) * np.array([e > cut for _, e in offsets])
-            else:
-                want = _prefix_mask(hf, full, last_only=True)
-            if want is None:
-                assert _spans(hf, ids, mask) == not_prefix(name, k, full, last_only=True), (name, k, side)
-            else:
-                assert mask.tolist() == want.tolist(), (name, k, side, _spans(hf, ids, mask), _spans(hf, ids, want))
-            assert _spans(hf, ids, mask)[-1].strip().endswith(FAMILIES[name.removesuffix("_training")][0]
-                                                             if "gemma" not in name else "<end_of_turn>")
     assert checked == len(CONVERSATIONS)
 
 
@@ -246,3 +224,41 @@ def test_standard_sft_records_train_as_trls_sft_trainer(name, tmp_path, tokenize
             want = [int(label != -100) for label in row["labels"]]
             assert mask.tolist() == want, (name, kind, k, _spans(hf, ids, mask), _spans(hf, ids, np.asarray(want)))
             assert mask.all() if kind == "text" else 0 < mask.sum() < len(mask)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_dpo_rows_are_trls_dpo_trainer_rows(name, tmp_path, tokenizer_json):
+    """Preference records in each of TRL's formats — conversational with an explicit prompt (the
+    conversation before the final answer; chosen that answer, rejected another), conversational with an
+    implicit prompt (whole conversations), standard strings, standard with an implicit prompt — give the
+    rows TRL 1.16's DPOTrainer builds from the same records on its defaults: prompt + chosen and prompt +
+    rejected, the targets after their common prefix with the prompt (the earlier of the two)."""
+    import copy
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+    from torchmeg.data.chat import ChatTemplate
+    from torchmeg.data.pairs import check_pair, encode_pair
+    from torchmeg.data.tokenizer import build_tokenizer
+    path = _folder(tmp_path, tokenizer_json, name)
+    hf, tok, template = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json"), ChatTemplate.load(path)
+    explicit = [{"prompt": m[:-1], "chosen": m[-1:], "rejected": [{"role": A, "content": "b"}]} for m in CONVERSATIONS]
+    sets = {"explicit": explicit,
+            "implicit": [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in explicit],
+            "standard": [{"prompt": "Q: 2 + 2?\nA:", "chosen": " 4", "rejected": " 5"},
+                         {"prompt": "ünï ✓", "chosen": " 日本" + hf.eos_token, "rejected": " no"}],
+            "standard implicit": [{"chosen": "The sky is blue.", "rejected": "The sky is green."}]}
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    for kind, records in sets.items():
+        ours = [encode_pair(template, tok, check_pair(r, f"{kind}[{k}]")) for k, r in enumerate(records)]
+        trainer = DPOTrainer(model=model, ref_model=copy.deepcopy(model), processing_class=hf, train_dataset=Dataset.from_list(records),
+                             args=DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, report_to="none"))
+        theirs = trainer.train_dataset
+        assert len(theirs) == len(ours) == len(records)
+        for k, (row, rows) in enumerate(zip(theirs, ours)):
+            for side, (ids, mask) in zip(("chosen", "rejected"), rows):
+                want = list(row["prompt_ids"]) + list(row[f"{side}_ids"])
+                assert ids.tolist() == want, (name, kind, k, side, hf.decode(ids), hf.decode(want))
+                assert mask.tolist() == [0] * len(row["prompt_ids"]) + [1] * len(row[f"{side}_ids"]), (name, kind, k, side)
+                assert 0 < mask.sum() < len(mask)

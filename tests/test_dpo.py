@@ -189,8 +189,12 @@ def test_a_reference_checkpoint_changes_the_loss_as_trls_ref_model(tmp_path):
 
 BAD_PAIRS = {
     "no rejected": ('{"prompt": "hi", "chosen": "hello"}', "no 'rejected'"),
-    "empty chosen": ('{"prompt": "hi", "chosen": " ", "rejected": "x"}', "'chosen' must be a non-empty answer"),
-    "no prompt": ('{"chosen": "a", "rejected": "b"}', "no prompt"),
+    "empty chosen": ('{"prompt": "hi", "chosen": " ", "rejected": "x"}', "'chosen' must be a non-empty"),
+    "mixed implicit": ('{"chosen": [{"role": "user", "content": "a"}], "rejected": "b"}', "must both be conversations"),
+    "text prompt, message answer": ('{"prompt": "hi", "chosen": [{"role": "assistant", "content": "x"}], '
+                                    '"rejected": "y"}', "must be a non-empty string beside a text prompt"),
+    "empty conversational answer": ('{"prompt": [{"role": "user", "content": "hi"}], "chosen": [], "rejected": "y"}',
+                                    "'chosen' must be a non-empty answer"),
     "not json": ('{"prompt": ', "not JSON"),
 }
 
@@ -233,6 +237,8 @@ def test_pairs_from_parquet_equal_jsonl_and_only_the_answer_is_a_target(tmp_path
     a, b = Pairs([str(tmp_path / "p.jsonl")], t, tok), Pairs([str(tmp_path / "p.parquet")], t, tok)
     assert len(a) == 2 and len(b) == 1
     assert all((x[0] == y[0]).all() and (x[1] == y[1]).all() for x, y in zip(a.rows[:2], b.rows))
-    for ids, mask in a.rows:  # the targets: the final answer and its end of turn, never the earlier "4"
+    for k, (ids, mask) in enumerate(a.rows):  # the targets: the final answer and its end, never the earlier "4"
         target = tok.decode(ids[mask > 0])
-        assert target in ("Hi there!<|im_end|>\n", "No.<|im_end|>\n", "6<|im_end|>\n", "7<|im_end|>\n"), target
+        assert target in ("Hi there!", "No.", "6<|im_end|>\n", "7<|im_end|>\n"), target
+        if k < 2:  # a standard (text) pair: no template; the end-of-document id ends each side, a target
+            assert tok.decode(ids) == "Say hi." + target and ids[-1] == tok.eos_id and mask[-1]

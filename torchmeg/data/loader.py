@@ -55,7 +55,8 @@ def open_stores(cfg, tokenizer) -> list:
         return [open_chat(cfg, tokenizer)]
     if cfg.training.objective == "dpo":
         with _chat_data_errors():
-            return [Pairs(dataset_list(cfg), chat_template(cfg), tokenizer)]
+            # (standard pairs need no template, as in TRL; a conversational pair without one is refused)
+            return [Pairs(dataset_list(cfg), chat_template(cfg, required=False), tokenizer)]
     stores = []
     for n in dataset_list(cfg):
         try:

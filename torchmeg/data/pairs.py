@@ -1,10 +1,13 @@
 """Preference pairs for DPO: records -> (chosen, rejected) token rows with their completion targets.
 
-A record is `{"prompt": "text" | "messages": [...], "chosen": ..., "rejected": ...}` (JSON lines, or
-Parquet rows; or the built-in `python_stdlib_pairs`), where chosen / rejected are the answer's text or a list holding one assistant message
-(TRL's conversational format). Each side is the prompt's conversation plus that answer, rendered with
-the chat template (torchmeg.data.chat, as transformers renders it); its targets are the answer's tokens
-and the end of turn only (earlier assistant turns of the prompt are context). One sample is one pair:
+A record is read as TRL 1.16's DPOTrainer reads a preference example (JSON lines, or Parquet rows; or
+the built-in `python_stdlib_pairs`): conversational, `{"prompt": [messages], "chosen": [messages],
+"rejected": [messages]}` (`messages` also names the prompt; a side may be the answer's text), each side
+the prompt plus it rendered with the chat template (torchmeg.data.chat, as transformers renders it);
+standard, `{"prompt": "text", "chosen": "text", "rejected": "text"}`, the strings tokenized as the
+tokenizer is configured with its end-of-sequence token ending each side, no template; without a
+prompt, TRL's implicit prompt (the common start of chosen and rejected). A side's targets are its tokens
+after the prompt (earlier assistant turns of a conversational prompt are context). One sample is one pair:
 two rows of seq_len tokens, padded (no target) or truncated at the end (counted in the header).
 Labels: token t+1 where it is a target, else IGNORE, as for sft.
 """
@@ -12,43 +15,83 @@ from __future__ import annotations
 
 import hashlib
 import os
+import typing
 
 import numpy as np
 import torch
 
-from torchmeg.data.chat import ChatDataError, check_messages, encode_conversation
+from torchmeg.data.chat import ChatDataError, check_turns, token_offsets
 from torchmeg.data.chat_data import read_json_records, stdlib_conversations
 from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_PAIRS
+from torchmeg.data.trl_records import configured_eos
 from torchmeg.kernels.fused_ce import IGNORE
 
 
-def _answer(value, key: str, where: str) -> str:
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
-        value = value[0].get("content")
-    if not isinstance(value, str) or not value.strip():
-        raise ChatDataError(f"{where}: {key!r} must be a non-empty answer (a string, or [{{'role': 'assistant', "
-                            f"'content': ...}}])")
+class Pair(typing.NamedTuple):
+    """A preference record in TRL's terms: conversational (prompt, chosen, rejected: message lists) or
+    standard (strings)."""
+    prompt: list | str
+    chosen: list | str
+    rejected: list | str
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.prompt, list)
+
+
+def _messages_answer(value, key: str, where: str) -> list[dict]:
+    """A conversational side: a message list, or (torchmeg's shorthand) the answer's text."""
+    if isinstance(value, str):
+        value = [{"role": "assistant", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ChatDataError(f"{where}: {key!r} must be a non-empty answer (a string, or a list of messages such as "
+                            f"[{{'role': 'assistant', 'content': ...}}])")
+    check_turns(value, where)
+    if not any(m["content"].strip() for m in value):
+        raise ChatDataError(f"{where}: {key!r} is empty (nothing to train on)")
     return value
 
 
-def check_pair(record, where: str) -> tuple[list[dict], str, str]:
-    """(prompt messages, chosen, rejected) of a record, or ChatDataError naming `where`."""
+def _extract_prompt(chosen, rejected):
+    """TRL's `extract_prompt`: the longest common prefix of chosen and rejected (messages, or characters
+    less a space before the split) is the prompt."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def check_pair(record, where: str) -> Pair:
+    """A record as TRL reads a preference example, or ChatDataError naming `where`: `prompt` a message
+    list (conversational) or a string (standard); no `prompt`: TRL's implicit prompt, the common start of
+    chosen and rejected; `messages` (torchmeg's name for a conversational prompt) as a message-list prompt.
+    A conversational side may be given as the answer's text (one assistant message)."""
     if not isinstance(record, dict):
         raise ChatDataError(f"{where}: a pair is a JSON object with prompt (or messages), chosen, rejected")
     for key in ("chosen", "rejected"):
         if key not in record:
             raise ChatDataError(f"{where}: no {key!r} (a pair needs prompt or messages, chosen and rejected)")
-    if "messages" in record:
-        prompt = record["messages"]
-        if not isinstance(prompt, list) or not prompt:
-            raise ChatDataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}}")
-        check_messages(prompt + [{"role": "assistant", "content": "x"}], where)
-    elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
-        prompt = [{"role": "user", "content": record["prompt"]}]
-    else:
-        raise ChatDataError(f"{where}: no prompt (a non-empty 'prompt' string or a 'messages' list)")
-    return prompt, _answer(record["chosen"], "chosen", where), _answer(record["rejected"], "rejected", where)
+    chosen, rejected = record["chosen"], record["rejected"]
+    prompt = record.get("messages", record.get("prompt"))
+    if prompt is None:  # TRL's implicit prompt
+        if not (isinstance(chosen, type(rejected)) and isinstance(chosen, (str, list))):
+            raise ChatDataError(f"{where}: without a prompt, chosen and rejected must both be conversations (message "
+                                f"lists) or both strings (TRL's implicit prompt: their common start)")
+        prompt, chosen, rejected = _extract_prompt(chosen, rejected)
+    if isinstance(prompt, list):
+        check_turns(prompt, where)
+        return Pair(prompt, _messages_answer(chosen, "chosen", where), _messages_answer(rejected, "rejected", where))
+    if not isinstance(prompt, str):
+        raise ChatDataError(f"{where}: no prompt (a 'prompt' string or message list, or a 'messages' list)")
+    for key, value in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, str) or not value.strip():
+            raise ChatDataError(f"{where}: {key!r} must be a non-empty string beside a text prompt (TRL's standard "
+                                f"format; a message-list prompt takes message answers)")
+    return Pair(prompt, chosen, rejected)
 
 
 def stdlib_pairs() -> list[dict]:
@@ -61,7 +104,8 @@ def stdlib_pairs() -> list[dict]:
         a = next(m["content"] for m in c if m["role"] == "assistant")
         words = a.split()
         if len(words) >= 4:
-            out.append({"prompt": q, "chosen": a, "rejected": " ".join(reversed(words))})
+            out.append({"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": a}],
+                        "rejected": [{"role": "assistant", "content": " ".join(reversed(words))}]})
     return out
 
 
@@ -73,10 +117,33 @@ def read_pairs(path: str):
     yield from read_json_records(path)
 
 
-def encode_side(template, tokenizer, prompt: list[dict], answer: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, target mask) of prompt + answer: only the answer (and its end of turn) are targets."""
-    return encode_conversation(template, tokenizer, prompt + [{"role": "assistant", "content": answer}],
-                               last_only=True)
+def encode_pair(template, tokenizer, pair: Pair) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[(ids, target mask) of chosen, of rejected], as TRL's DPOTrainer tokenizes a pair: prompt + side
+    rendered with the chat template (conversational; ids as apply_chat_template gives them) or, standard,
+    the strings with the tokenizer's end-of-sequence token added to each side unless it ends with it,
+    tokenized as `tokenizer(text)`; the targets start where the prompt (with its generation prompt)
+    and the sides' tokens part, the earlier of the two (TRL's `common_prefix_length`)."""
+    if pair.conversational:
+        if template is None:
+            raise ChatDataError("a conversational pair needs a chat template: set data.chat_template (chatml, llama3, "
+                                "a tokenizer folder or a .jinja file)")
+        ids = lambda messages, gen=False: token_offsets(tokenizer, template.render(messages, gen))[0].tolist()  # noqa: E731
+        prompt = ids(pair.prompt, True)
+        sides = [ids(pair.prompt + pair.chosen), ids(pair.prompt + pair.rejected)]
+    else:
+        eos = configured_eos(tokenizer)
+        end = lambda t: t if eos is None or t.endswith(eos) else t + eos  # noqa: E731
+        extra = [tokenizer.eos_id] if eos is None else []
+        prompt = tokenizer.encode_with_specials(pair.prompt)
+        sides = [tokenizer.encode_with_specials(pair.prompt + end(side)) + extra for side in (pair.chosen, pair.rejected)]
+    cut = min(next((i for i, (a, b) in enumerate(zip(prompt, side)) if a != b), min(len(prompt), len(side)))
+              for side in sides)
+    out = []
+    for side in sides:
+        mask = np.zeros(len(side), dtype=np.uint8)
+        mask[cut:] = 1
+        out.append((np.asarray(side, dtype=np.int64), mask))
+    return out
 
 
 class Pairs:
@@ -88,10 +155,9 @@ class Pairs:
             if p != BUILTIN_PAIRS and not os.path.isfile(p):
                 raise ChatDataError(f"{p}: no such pairs file (.jsonl or .parquet)")
             for where, record in read_pairs(p):
-                prompt, chosen, rejected = check_pair(record, where)
+                pair = check_pair(record, where)
                 try:
-                    self.rows += [encode_side(template, tokenizer, prompt, chosen),
-                                  encode_side(template, tokenizer, prompt, rejected)]
+                    self.rows += encode_pair(template, tokenizer, pair)
                 except ChatDataError as e:
                     raise ChatDataError(f"{where}: {e}") from None
                 except Exception as e:  # the template raised or could not render the record
