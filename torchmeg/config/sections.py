@@ -262,7 +262,7 @@ class Grpo:
     num_generations: int = _f(8, lo=2, help="completions per prompt (the group); training.global_batch_size counts "
                                             "completions, a multiple of it")
     max_prompt_length: int = _f(256, lo=1, help="a longer prompt is refused, naming its record")
-    max_completion_length: int = _f(256, lo=1, help="tokens generated at most per completion")
+    max_completion_length: int = _f(512, lo=1, help="tokens generated at most per completion (TRL's default)")
     temperature: float = _f(1.0, lo=0.0, help="sampling temperature of the rollouts (and of the log-probs trained)")
     top_p: float = _f(1.0, lo=0.0, hi=1.0, help="nucleus sampling of the rollouts; 1 = off")
     top_k: int = _f(0, lo=0, help="top-k sampling of the rollouts; 0 = off")
