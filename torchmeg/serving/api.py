@@ -9,7 +9,7 @@ import json
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +35,7 @@ class Served:
     template_error: str
     model_id: str
     max_len: int
+    defaults: dict = field(default_factory=dict)  # sampling defaults (serving.sampling_defaults)
 
 
 class ApiError(Exception):
@@ -107,7 +108,7 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
             _fits(s, len(i), max_tokens, allow_zero=body.echo)
         eos = frozenset() if body.ignore_eos else s.tokenizer.end_ids
         specs = [(p, i) for p in range(len(ids)) for i in range(body.n)]
-        jobs = [_job(ids[p], max_tokens, body, i, body.stops(), eos) for p, i in specs]
+        jobs = [_job(ids[p], max_tokens, body, i, body.stops(), eos, s.defaults) for p, i in specs]
         for job in jobs:
             job.logprobs = -1 if body.logprobs is None else body.logprobs
             job.prompt_logprobs = body.echo and body.logprobs is not None
@@ -123,14 +124,15 @@ def build_app(s: Served, lifespan=None) -> FastAPI:
         text = s.template.render([{"role": m.role, "content": m.text()} for m in body.messages],
                                  add_generation_prompt=True)
         ids = s.tokenizer.encode(text) or [s.tokenizer.eos_id]
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(s.max_len - len(ids), 0)
+        max_tokens = body.max_completion_tokens or body.max_tokens or \
+            min(max(s.max_len - len(ids), 0), s.defaults.get("max_tokens", s.max_len))  # (vLLM's cap)
         _fits(s, len(ids), max_tokens)
         end, end_id = s.template.end_of_turn(s.tokenizer)
         eos = set() if body.ignore_eos else set(s.tokenizer.end_ids)
         if end_id is not None and not body.ignore_eos:
             eos.add(end_id)  # the end of the turn is one token (HF templates): stop there
         stops = body.stops() + ((end,) if end and not body.ignore_eos else ())
-        jobs = [_job(ids, max_tokens, body, i, stops, frozenset(eos)) for i in range(body.n)]
+        jobs = [_job(ids, max_tokens, body, i, stops, frozenset(eos), s.defaults) for i in range(body.n)]
         for job in jobs:
             job.logprobs = (body.top_logprobs or 0) if body.logprobs else -1
         return await _respond(s, request, body, jobs, "chatcmpl", [""] * body.n, len(ids), chat=True)
@@ -169,11 +171,12 @@ def _fits(s: Served, prompt: int, max_tokens: int, allow_zero: bool = False) -> 
                             f"Please reduce the prompt or max_tokens.", "max_tokens", code="context_length_exceeded")
 
 
-def _job(ids, max_tokens, body, index: int, stops, eos) -> Job:
+def _job(ids, max_tokens, body, index: int, stops, eos, defaults: dict) -> Job:
     # an unseeded request draws its own seed: identical requests at a temperature differ, as with any
     # sampler; a seeded one is a function of (prompt, sampling, seed), the seed 0 included
     seed = body.seed if body.seed is not None else secrets.randbits(62)
-    sampling = Sampling(body.temperature, body.top_k, body.top_p, seed)
+    given = lambda key, api: getattr(body, key) if getattr(body, key) is not None else defaults.get(key, api)  # noqa: E731
+    sampling = Sampling(given("temperature", 1.0), given("top_k", 0), given("top_p", 1.0), seed)
     return Job(list(ids), max_tokens, sampling, on_event=None, stop=stops, eos_ids=eos, sample_index=index,
                presence=body.presence_penalty, frequency=body.frequency_penalty)
 

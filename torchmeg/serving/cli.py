@@ -27,12 +27,14 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.config.extras import need
 from torchmeg.config.schema import load_config
 from torchmeg.data.chat import chat_template
+from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.inference.generate import inference_config
 from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, slot_length
+from torchmeg.serving.sampling_defaults import sampling_defaults
 from torchmeg.batching.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
 
@@ -62,6 +64,10 @@ def parse(argv: list[str]):
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
     ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")
+    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                    help="auto (vLLM's default): the model's generation_config.json sets the sampling defaults of "
+                    "requests that leave them out (temperature, top_p, top_k, the chat max_tokens cap); vllm: "
+                    "the API's own (temperature 1, top_p 1)")
     ap.add_argument("--drain-timeout", type=float, default=60.0,
                     help="SIGTERM: seconds the requests in flight may take to finish; then they are closed")
     return ap.parse_known_args(argv)
@@ -89,6 +95,8 @@ def prepare(argv: list[str], http: bool = True):
         template, template_error = chat_template(cfg), ""
     except ConfigError as e:
         template, template_error = None, str(e)
+    # (the model's sampling defaults, checked before any weight is read)
+    a.sampling = sampling_defaults(build_tokenizer(cfg.data.tokenizer), a.generation_config)
     return a, cfg, layout, template, template_error
 
 
@@ -138,13 +146,14 @@ def _serve_http(a, cfg, layout, loaded, engine, dtype) -> None:
     (serving.relay)."""
     from torchmeg.serving.frontend import FrontendSpec  # lazy: the serve extra
     from torchmeg.serving.relay import serve
+    defaults, note = a.sampling
     kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
     header = (f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
               f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens "
               f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}"
-              f"{'; ' + a.len_note if a.len_note else ''}) | http://{a.host}:{a.port}/v1")
+              f"{'; ' + a.len_note if a.len_note else ''}) | http://{a.host}:{a.port}/v1" + (f"\n{PROG}: {note}" if note else ""))
     serve(engine, FrontendSpec(loaded.tokenizer, cfg, a.served_model_name or cfg.job.name, a.max_model_len,
-                               a.max_seqs, a.max_queue, a.host, a.port, a.drain_timeout, header))
+                               a.max_seqs, a.max_queue, a.host, a.port, a.drain_timeout, header, defaults))
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from torchmeg.batching.metrics import Metrics
@@ -122,6 +123,7 @@ class FrontendSpec:
     port: int
     drain_timeout: float
     header: str
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # (serving.sampling_defaults)
 
 
 def main(conn, spec: FrontendSpec) -> None:
@@ -145,7 +147,8 @@ def main(conn, spec: FrontendSpec) -> None:
         print(spec.header, file=sys.stderr, flush=True)
         yield
 
-    app = build_app(Served(client, spec.tokenizer, template, template_error, spec.model_id, spec.max_len), lifespan)
+    app = build_app(Served(client, spec.tokenizer, template, template_error, spec.model_id, spec.max_len,
+                            spec.sampling_defaults), lifespan)
     logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     for sig in (signal.SIGTERM, signal.SIGINT):  # (uvicorn drains, then raises it again: end normally)
         signal.signal(sig, lambda *_: None)

@@ -1,0 +1,49 @@
+"""A served model's sampling defaults, as vLLM takes them: with `--generation-config auto` (vLLM's
+default) the generation_config.json shipped with the model sets the defaults of the request fields a
+client leaves out (vLLM's `get_diff_sampling_param`: temperature, top_p, top_k, and max_new_tokens as
+the chat default's cap; min_p and repetition_penalty too, which this server does not implement: said on
+the header line, not applied). `--generation-config vllm`: the API's own defaults (temperature 1,
+top_p 1, no top-k). The file is the one beside the tokenizer.json (`torchmeg.convert from-hf` copies a
+release's there); the byte tokenizer has none.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.data.tokenizer import generation_config
+
+APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
+NOT_APPLIED = ("min_p", "repetition_penalty")
+NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0}  # (values that change nothing: not worth a note)
+
+
+def sampling_defaults(tokenizer, mode: str = "auto") -> tuple[dict, str]:
+    """-> ({request field: default} from the model's generation_config.json, a note for the header
+    line ('' when there is nothing to say)."""
+    path = generation_config(tokenizer.path) if getattr(tokenizer, "path", "") else ""
+    if mode == "vllm" or not path or not os.path.isfile(path):
+        return {}, ""
+    try:
+        with open(path) as fh:
+            config = json.load(fh)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a JSON object ({str(e).splitlines()[0]}); fix or remove it, or serve with "
+                          f"--generation-config vllm") from None
+    out = {ours: config[key] for key, ours in APPLIED.items() if config.get(key) is not None}
+    for key, value in out.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or \
+                (key in ("max_tokens", "top_k") and not isinstance(value, int)):
+            raise ConfigError(f"{path}: {key} = {value!r} is not a valid default; fix it, or serve with "
+                              f"--generation-config vllm")
+    if out.get("top_p") is not None and not 0 < out["top_p"] <= 1:
+        raise ConfigError(f"{path}: top_p = {out['top_p']!r} must be in (0, 1]; fix it, or serve with "
+                          f"--generation-config vllm")
+    skipped = [f"{k} {config[k]}" for k in NOT_APPLIED if config.get(k) not in (None, NEUTRAL[k])]
+    note = ", ".join(f"{k} {v}" for k, v in out.items())
+    note = (f"sampling defaults from {path}: {note}" if out else "") + \
+        (f"{'; ' if out else f'{path}: '}{', '.join(skipped)} not applied (not implemented)" if skipped else "")
+    return out, note
