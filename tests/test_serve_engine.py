@@ -138,6 +138,53 @@ def test_engine_penalties_are_openais():
     assert jobs[1].tokens == generate(model, [prompt], 12, -1, Sampling(), "cpu")[0].tokens
 
 
+def test_repetition_penalty_and_min_p_are_transformers_processors():
+    """vLLM's repetition penalty (over the prompt's and the generated tokens: a positive logit / p, the
+    others x p) = transformers' RepetitionPenaltyLogitsProcessor on prompt + generated: greedy engine
+    tokens = a decode loop applying transformers' processor, and differ from the unpenalised ones, with
+    OpenAI's frequency penalty after it (vLLM's order); min-p = transformers' MinPLogitsWarper, the same
+    tokens dropped, and a seeded engine sample with min_p = 0.3 never draws one of them."""
+    from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+    from torchmeg.batching.generation import drop_below_min_p
+    cfg = load_config("recipes/debug_llama.toml")
+    model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
+    prompt = list(b"abcabcab")
+    jobs = [Job(prompt, 12, Sampling(), on_event=lambda *a: None, repetition=1.3, frequency=0.2),
+            Job(prompt, 12, Sampling(), on_event=lambda *a: None)]
+    for j in jobs:
+        engine.submit(j)
+    while engine.running or engine.waiting:
+        engine.step()
+    rep = RepetitionPenaltyLogitsProcessor(1.3)
+    with torch.no_grad():
+        seq = list(prompt)
+        for _ in range(12):
+            logits = rep(torch.tensor([seq]), model(torch.tensor([seq]))[:, -1].float())[0]
+            counts = torch.bincount(torch.tensor(seq[len(prompt):], dtype=torch.long), minlength=logits.shape[0])
+            seq.append(int((logits - 0.2 * counts).argmax()))
+    assert jobs[0].tokens == seq[len(prompt):] and jobs[0].tokens != jobs[1].tokens
+    # min-p: the same tokens dropped as transformers' warper drops (at a temperature)
+    x = torch.randn(4, 257, generator=torch.Generator().manual_seed(0)) * 3
+    for min_p in (0.05, 0.3):
+        want = MinPLogitsWarper(min_p)(None, x.clone()).isinf()
+        got = drop_below_min_p(x, min_p).isinf()
+        assert torch.equal(got, want) and 0 < got.sum() < got.numel(), min_p
+    logits = model(torch.tensor([prompt]))[0, -1].float()
+    allowed = ~drop_below_min_p(logits[None] / 1.5, 0.3)[0].isinf()
+    drawn = {t for seed in range(40) for t in _first_token(engine, prompt, Sampling(1.5, 0, 1.0, seed, 0.3))}
+    free = {t for seed in range(40) for t in _first_token(engine, prompt, Sampling(1.5, 0, 1.0, seed))}
+    assert drawn and all(allowed[t] for t in drawn) and not all(allowed[t] for t in free), (drawn, free)
+
+
+def _first_token(engine, prompt, sampling) -> list[int]:
+    job = Job(prompt, 1, sampling, on_event=lambda *a: None)
+    engine.submit(job)
+    while engine.running or engine.waiting:
+        engine.step()
+    return job.tokens
+
+
 def test_penalty_counts_grow_with_each_step_and_seeds_share_one_sampling_call(monkeypatch):
     """The penalties' counts are kept on the job and updated with each step's new token (one element
     added a step, not the whole list again: O(new), not O(n^2) over a completion), equal to a bincount

@@ -34,6 +34,7 @@ class Sampling:
     top_k: int = 0             # 0: off
     top_p: float = 1.0         # 1: off
     seed: int = 0
+    min_p: float = 0.0         # 0: off; else tokens below min_p x the most likely one's probability are dropped
 
     def check(self) -> None:
         """Bad values -> one line naming the flag."""
@@ -45,6 +46,8 @@ class Sampling:
             raise ConfigError(f"--top-p {self.top_p}: must be in (0, 1] (1 = off)")
         if self.seed < 0:
             raise ConfigError(f"--seed {self.seed}: must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"--min-p {self.min_p}: must be in [0, 1] (0 = off)")
 
 
 def row_streams(prompts: list[list[int]], sample_index: int = 0) -> torch.Tensor:
@@ -64,6 +67,8 @@ def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, 
     if s.temperature == 0:
         return logits.argmax(-1)
     x = logits / s.temperature
+    if s.min_p > 0:  # (vLLM's order: after the temperature, before top-k and top-p)
+        x = drop_below_min_p(x, s.min_p)
     if s.top_k > 0:
         kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -77,6 +82,13 @@ def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, 
     u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed if seeds is None else seeds).to(logits.device)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+def drop_below_min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+    """min-p sampling (vLLM's and transformers' MinPLogitsWarper): logits [B, V] of the tokens whose
+    probability is below min_p x the row's largest set to -inf."""
+    probs = x.softmax(-1)
+    return x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
 
 
 @dataclass

@@ -17,12 +17,18 @@ def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
     """The next token of each row [N, V] for jobs[i]. One host read. Rows whose sampling differs only
     in its seed (unseeded requests each draw one) share one call, each row with its own seed."""
     nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
-    penalized = [i for i, j in enumerate(jobs) if (j.presence or j.frequency) and j.tokens]
-    if penalized:  # OpenAI's: logit -= frequency * count + presence * (count > 0), over the tokens generated
+    penalized = [i for i, j in enumerate(jobs) if ((j.presence or j.frequency) and j.tokens) or j.repetition != 1]
+    if penalized:  # vLLM's order: the repetition penalty, then OpenAI's frequency and presence
         logits = logits.clone()
         for i in penalized:
-            counts = penalty_counts(jobs[i], logits.shape[-1], logits.device)
-            logits[i] -= jobs[i].frequency * counts + jobs[i].presence * (counts > 0).float()
+            job = jobs[i]
+            if job.repetition != 1:  # over the prompt's and the generated tokens: positive / p, others x p
+                seen = repetition_mask(job, logits.shape[-1], logits.device)
+                row = logits[i]
+                logits[i] = torch.where(seen, torch.where(row > 0, row / job.repetition, row * job.repetition), row)
+            if (job.presence or job.frequency) and job.tokens:  # logit -= frequency x count + presence x (count > 0)
+                counts = penalty_counts(job, logits.shape[-1], logits.device)
+                logits[i] -= job.frequency * counts + job.presence * (counts > 0).float()
     groups: dict[Sampling, list[int]] = {}
     for i, job in enumerate(jobs):
         groups.setdefault(dataclasses.replace(job.sampling, seed=0), []).append(i)
@@ -46,6 +52,20 @@ def penalty_counts(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
         counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), device=device))
     job.penalty_counts, job.penalty_counted = counts, len(job.tokens)
     return counts
+
+
+def repetition_mask(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] bool on the device: the tokens of the job's prompt or generated so far (vLLM's and
+    transformers' repetition penalty), kept on the job and updated with the new tokens."""
+    mask, counted = job.repetition_seen, job.repetition_counted
+    if mask is None or mask.device != device or mask.shape[0] != vocab or counted > len(job.tokens):
+        mask, counted = torch.zeros(vocab, dtype=torch.bool, device=device), 0
+        mask[torch.tensor([t for t in job.prompt if 0 <= t < vocab], dtype=torch.long, device=device)] = True
+    new = job.tokens[counted:]
+    if new:
+        mask[torch.tensor(new, dtype=torch.long, device=device)] = True
+    job.repetition_seen, job.repetition_counted = mask, len(job.tokens)
+    return mask
 
 
 def token_logprobs(logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:

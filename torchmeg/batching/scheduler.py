@@ -59,6 +59,9 @@ class Job:
     frequency: float = 0.0
     penalty_counts: object = None  # (batching.sampler) their counts on the device, of the first
     penalty_counted: int = 0       # this-many generated tokens
+    repetition: float = 1.0      # vLLM's repetition penalty over the prompt's and generated tokens (1: off)
+    repetition_seen: object = None  # (batching.sampler) those tokens as a mask on the device, of the first
+    repetition_counted: int = 0     # this-many generated tokens
     logprobs: int = -1           # >= 0: each token's log-probability and the top this-many (-1: none)
     prompt_logprobs: bool = False  # the prompt's tokens' too (echo), with the same top count
     processed_logprobs: bool = False  # log-probs of the logits / temperature (what is sampled from; RL rollouts)

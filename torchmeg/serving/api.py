@@ -176,9 +176,10 @@ def _job(ids, max_tokens, body, index: int, stops, eos, defaults: dict) -> Job:
     # sampler; a seeded one is a function of (prompt, sampling, seed), the seed 0 included
     seed = body.seed if body.seed is not None else secrets.randbits(62)
     given = lambda key, api: getattr(body, key) if getattr(body, key) is not None else defaults.get(key, api)  # noqa: E731
-    sampling = Sampling(given("temperature", 1.0), given("top_k", 0), given("top_p", 1.0), seed)
+    sampling = Sampling(given("temperature", 1.0), given("top_k", 0), given("top_p", 1.0), seed, given("min_p", 0.0))
     return Job(list(ids), max_tokens, sampling, on_event=None, stop=stops, eos_ids=eos, sample_index=index,
-               presence=body.presence_penalty, frequency=body.frequency_penalty)
+               presence=body.presence_penalty, frequency=body.frequency_penalty,
+               repetition=given("repetition_penalty", 1.0))
 
 
 async def _respond(s: Served, request: Request, body, jobs: list[Job], kind: str, prefix: list[str],

@@ -4,7 +4,7 @@ out of range is a 400 in the API's error shape, naming the field (pydantic does 
 Fields the API defines that this server does not implement (logit bias, tools, best_of > 1) are refused with a 400 that says so, rather than silently ignored. Log-probabilities
 are the model's own (the raw logits' log-softmax, before temperature, top-k or top-p), as vLLM
 reports them.
-`top_k` and `ignore_eos` are extensions (as vLLM's).
+`top_k`, `min_p`, `repetition_penalty` and `ignore_eos` are extensions (as vLLM's).
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # (vLLM's extensions, as top_k)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     n: int = Field(1, ge=1, le=16)
     seed: int | None = Field(None, ge=0)
     stop: Union[str, list[str], None] = None

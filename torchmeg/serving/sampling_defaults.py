@@ -1,10 +1,10 @@
 """A served model's sampling defaults, as vLLM takes them: with `--generation-config auto` (vLLM's
 default) the generation_config.json shipped with the model sets the defaults of the request fields a
-client leaves out (vLLM's `get_diff_sampling_param`: temperature, top_p, top_k, and max_new_tokens as
-the chat default's cap; min_p and repetition_penalty too, which this server does not implement: said on
-the header line, not applied). `--generation-config vllm`: the API's own defaults (temperature 1,
-top_p 1, no top-k). The file is the one beside the tokenizer.json (`torchmeg.convert from-hf` copies a
-release's there); the byte tokenizer has none.
+client leaves out (vLLM's `get_diff_sampling_param`: temperature, top_p, top_k, min_p,
+repetition_penalty, and max_new_tokens as the chat default's cap). `--generation-config vllm`: the
+API's own defaults (temperature 1, top_p 1, no top-k, min-p or repetition penalty). The file is the one
+beside the tokenizer.json (`torchmeg.convert from-hf` copies a release's there); the byte tokenizer has
+none.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import os
 from torchmeg.config.errors import ConfigError
 from torchmeg.data.tokenizer import generation_config
 
-APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_new_tokens": "max_tokens"}
-NOT_APPLIED = ("min_p", "repetition_penalty")
-NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0}  # (values that change nothing: not worth a note)
+APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+RANGES = {"top_p": "(0, 1]", "min_p": "[0, 1]", "repetition_penalty": "(0, 2]"}
 
 
 def sampling_defaults(tokenizer, mode: str = "auto") -> tuple[dict, str]:
@@ -39,11 +39,11 @@ def sampling_defaults(tokenizer, mode: str = "auto") -> tuple[dict, str]:
                 (key in ("max_tokens", "top_k") and not isinstance(value, int)):
             raise ConfigError(f"{path}: {key} = {value!r} is not a valid default; fix it, or serve with "
                               f"--generation-config vllm")
-    if out.get("top_p") is not None and not 0 < out["top_p"] <= 1:
-        raise ConfigError(f"{path}: top_p = {out['top_p']!r} must be in (0, 1]; fix it, or serve with "
-                          f"--generation-config vllm")
-    skipped = [f"{k} {config[k]}" for k in NOT_APPLIED if config.get(k) not in (None, NEUTRAL[k])]
-    note = ", ".join(f"{k} {v}" for k, v in out.items())
-    note = (f"sampling defaults from {path}: {note}" if out else "") + \
-        (f"{'; ' if out else f'{path}: '}{', '.join(skipped)} not applied (not implemented)" if skipped else "")
+    for key, span in RANGES.items():
+        lo, hi = (float(x) for x in span[1:-1].split(","))
+        inside = key in out and (lo <= out[key] if span[0] == "[" else lo < out[key]) and out[key] <= hi
+        if key in out and not inside:
+            raise ConfigError(f"{path}: {key} = {out[key]!r} must be in {span}; fix it, or serve with "
+                              f"--generation-config vllm")
+    note = f"sampling defaults from {path}: " + ", ".join(f"{k} {v}" for k, v in out.items()) if out else ""
     return out, note
