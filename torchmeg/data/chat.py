@@ -312,6 +312,12 @@ def token_offsets(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
 
+def common_prefix_length(a, b) -> int:
+    """How many leading items (characters, token ids) `a` and `b` share: where a completion starts after
+    its prompt (TRL's `common_prefix_length`)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict], train_on_prompt: bool = False,
                         last_only: bool = False, completion_from: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids, target mask) of one conversation: ids as transformers' apply_chat_template(tokenize=True)
@@ -326,8 +332,7 @@ def encode_conversation(template: ChatTemplate, tokenizer, messages: list[dict],
     if completion_from is not None:
         text = template.render(messages)
         prompt = template.render(messages[:completion_from], add_generation_prompt=True)
-        start = next((i for i, (a, b) in enumerate(zip(prompt, text)) if a != b), min(len(prompt), len(text)))
-        spans = [(start, len(text))]
+        spans = [(common_prefix_length(prompt, text), len(text))]
     else:
         text, spans = template.target_spans(messages, last_only)
     ids, offsets = token_offsets(tokenizer, text)

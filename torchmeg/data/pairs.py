@@ -20,7 +20,7 @@ import typing
 import numpy as np
 import torch
 
-from torchmeg.data.chat import ChatDataError, check_turns, token_offsets
+from torchmeg.data.chat import ChatDataError, check_turns, common_prefix_length, token_offsets
 from torchmeg.data.chat_data import read_json_records, stdlib_conversations
 from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_PAIRS
@@ -136,8 +136,7 @@ def encode_pair(template, tokenizer, pair: Pair) -> list[tuple[np.ndarray, np.nd
         extra = [tokenizer.eos_id] if eos is None else []
         prompt = tokenizer.encode_with_specials(pair.prompt)
         sides = [tokenizer.encode_with_specials(pair.prompt + end(side)) + extra for side in (pair.chosen, pair.rejected)]
-    cut = min(next((i for i, (a, b) in enumerate(zip(prompt, side)) if a != b), min(len(prompt), len(side)))
-              for side in sides)
+    cut = min(common_prefix_length(prompt, side) for side in sides)
     out = []
     for side in sides:
         mask = np.zeros(len(side), dtype=np.uint8)

@@ -13,7 +13,7 @@ import typing
 
 import numpy as np
 
-from torchmeg.data.chat import ChatDataError, check_turns
+from torchmeg.data.chat import ChatDataError, check_turns, common_prefix_length
 
 
 def check_completion(prompt, completion, where: str) -> list[dict]:
@@ -68,7 +68,7 @@ def encode_text(tokenizer, record: TextRecord, train_on_prompt: bool = False) ->
     start = 0
     if record.prompt is not None and not train_on_prompt:
         prompt = tokenizer.encode_with_specials(record.prompt)
-        start = next((i for i, (a, b) in enumerate(zip(prompt, ids)) if a != b), min(len(prompt), len(ids)))
+        start = common_prefix_length(prompt, ids)
     mask = np.zeros(len(ids), dtype=np.uint8)
     mask[start:] = 1
     return np.asarray(ids, dtype=np.int64), mask
