@@ -11,6 +11,23 @@ from launch import ROOT, own_tmp
 
 
 @pytest.mark.slow
+def test_bench_workers_start_under_a_deep_temporary_folder(tmp_path):
+    """tools/bench.py's forkserver listens on an AF_UNIX socket (107 bytes at most on Linux) in a folder
+    multiprocessing makes under TMPDIR: under a test's own deep folder it did not start ("AF_UNIX path
+    too long", seen in a .ci/run once pytest's run number had three digits). A fresh process with a
+    TMPDIR of 120 characters starts a worker from it."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    code = ("import os, sys; sys.path.insert(0, 'tools'); import bench\n"
+            "ctx = bench._forkserver(['os'])\n"
+            "p = ctx.Process(target=os.getpid); p.start(); p.join(30)\n"
+            "print('exit', p.exitcode)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, TMPDIR=str(deep)),
+                       capture_output=True, text=True, timeout=120)
+    assert len(str(deep)) > 120 and p.returncode == 0 and "exit 0" in p.stdout, p.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_bench_writes_reports(tmp_path):
     model = [a for a in TINY if a.startswith(("--model.", "--data.seq_len"))]
     tmp = tmp_path / "tmp"

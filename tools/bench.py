@@ -22,6 +22,7 @@ import argparse
 import itertools
 import json
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401  (mp.util: the forkserver's folder, _forkserver)
 import os
 import shutil
 import statistics
@@ -122,8 +123,7 @@ def main(argv=None) -> int:
         # Each setting's worker is forked from one server that imported torch and the trainer once, not
         # started fresh (~4 s of imports per setting on a 2-core CPU under "spawn"); the server touches no
         # device, so each worker still starts CUDA, its allocator and its compiles on its own.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(WORKER_IMPORTS))
+        ctx = _forkserver(WORKER_IMPORTS)
         rows = []
         if a.one_at_a_time:
             for name, ov in settings:
@@ -146,6 +146,25 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     return 0
+
+
+def _forkserver(preload):
+    """multiprocessing's forkserver context, its server to import `preload`. The server listens on an
+    AF_UNIX socket in a folder multiprocessing makes under TMPDIR (`multiprocessing.util.get_temp_dir`,
+    made once per process), and Linux holds such a path to 107 bytes: under a deep TMPDIR (a test's own
+    folder, pytest-of-<user>/pytest-<N>/popen-gw<k>/<test>/tmp: once N had three digits) the server did
+    not start ("OSError: AF_UNIX path too long"). That folder is then made under the system's temporary
+    root instead, before the server starts; the workers' TMPDIR is unchanged."""
+    probe = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
+    if len(probe.encode()) > 100 and os.path.isdir("/tmp"):
+        saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+        try:
+            mp.util.get_temp_dir()  # (made now, under /tmp, and kept for this process: the server's socket goes there)
+        finally:
+            tempfile.tempdir = saved
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    return ctx
 
 
 def _write_json(rows, a) -> None:
