@@ -122,12 +122,8 @@ def test_engine_penalties_are_openais():
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
     engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
     prompt = list(b"aaaa")
-    jobs = [Job(prompt, 12, Sampling(), on_event=lambda *a: None, presence=0.5, frequency=1.5),
-            Job(prompt, 12, Sampling(), on_event=lambda *a: None)]
-    for j in jobs:
-        engine.submit(j)
-    while engine.running or engine.waiting:
-        engine.step()
+    jobs = _drain(engine, [Job(prompt, 12, Sampling(), on_event=lambda *a: None, presence=0.5, frequency=1.5),
+                           Job(prompt, 12, Sampling(), on_event=lambda *a: None)])
     with torch.no_grad():
         seq = list(prompt)
         for _ in range(12):
@@ -150,12 +146,8 @@ def test_repetition_penalty_and_min_p_are_transformers_processors():
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
     engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=4)
     prompt = list(b"abcabcab")
-    jobs = [Job(prompt, 12, Sampling(), on_event=lambda *a: None, repetition=1.3, frequency=0.2),
-            Job(prompt, 12, Sampling(), on_event=lambda *a: None)]
-    for j in jobs:
-        engine.submit(j)
-    while engine.running or engine.waiting:
-        engine.step()
+    jobs = _drain(engine, [Job(prompt, 12, Sampling(), on_event=lambda *a: None, repetition=1.3, frequency=0.2),
+                           Job(prompt, 12, Sampling(), on_event=lambda *a: None)])
     rep = RepetitionPenaltyLogitsProcessor(1.3)
     with torch.no_grad():
         seq = list(prompt)
@@ -178,11 +170,16 @@ def test_repetition_penalty_and_min_p_are_transformers_processors():
 
 
 def _first_token(engine, prompt, sampling) -> list[int]:
-    job = Job(prompt, 1, sampling, on_event=lambda *a: None)
-    engine.submit(job)
+    return _drain(engine, [Job(prompt, 1, sampling, on_event=lambda *a: None)])[0].tokens
+
+
+def _drain(engine, jobs: list[Job]) -> list[Job]:
+    """Submit the jobs and step the engine until every one has finished."""
+    for job in jobs:
+        engine.submit(job)
     while engine.running or engine.waiting:
         engine.step()
-    return job.tokens
+    return jobs
 
 
 def test_penalty_counts_grow_with_each_step_and_seeds_share_one_sampling_call(monkeypatch):

@@ -24,7 +24,7 @@ from torchmeg.data.chat import ChatDataError, check_turns, common_prefix_length,
 from torchmeg.data.chat_data import read_json_records, stdlib_conversations
 from torchmeg.data.dataset import Shuffled
 from torchmeg.data.sources import BUILTIN_PAIRS
-from torchmeg.data.trl_records import configured_eos
+from torchmeg.data.trl_records import encode_ended
 from torchmeg.kernels.fused_ce import IGNORE
 
 
@@ -131,11 +131,8 @@ def encode_pair(template, tokenizer, pair: Pair) -> list[tuple[np.ndarray, np.nd
         prompt = ids(pair.prompt, True)
         sides = [ids(pair.prompt + pair.chosen), ids(pair.prompt + pair.rejected)]
     else:
-        eos = configured_eos(tokenizer)
-        end = lambda t: t if eos is None or t.endswith(eos) else t + eos  # noqa: E731
-        extra = [tokenizer.eos_id] if eos is None else []
         prompt = tokenizer.encode_with_specials(pair.prompt)
-        sides = [tokenizer.encode_with_specials(pair.prompt + end(side)) + extra for side in (pair.chosen, pair.rejected)]
+        sides = [encode_ended(tokenizer, pair.prompt, side) for side in (pair.chosen, pair.rejected)]
     cut = min(common_prefix_length(prompt, side) for side in sides)
     out = []
     for side in sides:

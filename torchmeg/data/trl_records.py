@@ -7,6 +7,7 @@ token as TRL ends them. TRL 1.16's `SFTTrainer` on its defaults is the reference
 (tests/test_chat_targets.py)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import typing
@@ -45,12 +46,28 @@ def check_text(prompt, text, where: str) -> TextRecord:
 def configured_eos(tokenizer) -> str | None:
     """The end-of-sequence token's text as transformers' tokenizer has it (`eos_token` of the
     tokenizer_config.json beside the tokenizer.json), or None (none configured; the byte tokenizer)."""
-    path = os.path.join(os.path.dirname(getattr(tokenizer, "path", "") or "."), "tokenizer_config.json")
-    if not getattr(tokenizer, "path", "") or not os.path.isfile(path):
+    path = getattr(tokenizer, "path", "")
+    return _eos_of(os.path.join(os.path.dirname(path), "tokenizer_config.json")) if path else None
+
+
+@functools.lru_cache(maxsize=8)
+def _eos_of(config_path: str) -> str | None:
+    """(read once per file: a data set asks for every record)"""
+    if not os.path.isfile(config_path):
         return None
-    with open(path) as fh:
+    with open(config_path) as fh:
         eos = json.load(fh).get("eos_token")
     return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def encode_ended(tokenizer, prompt: str, text: str) -> list[int]:
+    """`tokenizer(prompt + text)` with the end-of-sequence token's text added to `text` unless it ends
+    with it (TRL's `add_eos` for standard records); the byte tokenizer, which has no such text, gets its
+    end-of-document id appended instead."""
+    eos = configured_eos(tokenizer)
+    if eos is None:
+        return tokenizer.encode_with_specials(prompt + text) + [tokenizer.eos_id]
+    return tokenizer.encode_with_specials(prompt + (text if text.endswith(eos) else text + eos))
 
 
 def encode_text(tokenizer, record: TextRecord, train_on_prompt: bool = False) -> tuple[np.ndarray, np.ndarray]:
@@ -60,11 +77,7 @@ def encode_text(tokenizer, record: TextRecord, train_on_prompt: bool = False) ->
     token of a `text` record, or those after the tokenized prompt's common prefix with the whole (or
     every one with `train_on_prompt`). The byte tokenizer has no end-of-sequence text: its
     end-of-document id is appended instead."""
-    eos = configured_eos(tokenizer)
-    text = record.text if eos is None or record.text.endswith(eos) else record.text + eos
-    ids = tokenizer.encode_with_specials((record.prompt or "") + text)
-    if eos is None:
-        ids = ids + [tokenizer.eos_id]
+    ids = encode_ended(tokenizer, record.prompt or "", record.text)
     start = 0
     if record.prompt is not None and not train_on_prompt:
         prompt = tokenizer.encode_with_specials(record.prompt)

@@ -16,7 +16,7 @@ from torchmeg.data.tokenizer import generation_config
 
 APPLIED = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-RANGES = {"top_p": "(0, 1]", "min_p": "[0, 1]", "repetition_penalty": "(0, 2]"}
+RANGES = {"top_p": (0.0, 1.0, False), "min_p": (0.0, 1.0, True), "repetition_penalty": (0.0, 2.0, False)}  # lo, hi, lo in
 
 
 def sampling_defaults(tokenizer, mode: str = "auto") -> tuple[dict, str]:
@@ -39,11 +39,10 @@ def sampling_defaults(tokenizer, mode: str = "auto") -> tuple[dict, str]:
                 (key in ("max_tokens", "top_k") and not isinstance(value, int)):
             raise ConfigError(f"{path}: {key} = {value!r} is not a valid default; fix it, or serve with "
                               f"--generation-config vllm")
-    for key, span in RANGES.items():
-        lo, hi = (float(x) for x in span[1:-1].split(","))
-        inside = key in out and (lo <= out[key] if span[0] == "[" else lo < out[key]) and out[key] <= hi
-        if key in out and not inside:
-            raise ConfigError(f"{path}: {key} = {out[key]!r} must be in {span}; fix it, or serve with "
-                              f"--generation-config vllm")
+    for key, (lo, hi, lo_in) in RANGES.items():
+        v = out.get(key)
+        if v is not None and not ((lo <= v if lo_in else lo < v) and v <= hi):
+            raise ConfigError(f"{path}: {key} = {out[key]!r} must be in {'[' if lo_in else '('}{lo:g}, {hi:g}]; fix "
+                              f"it, or serve with --generation-config vllm")
     note = f"sampling defaults from {path}: " + ", ".join(f"{k} {v}" for k, v in out.items()) if out else ""
     return out, note
