@@ -182,6 +182,49 @@ def test_prompt_completion_records_train_as_trls_sft_trainer(name, tmp_path, tok
         assert 0 < mask.sum() < len(mask)
 
 
+@pytest.mark.parametrize("name", ["qwen2_5_training", "llama3_training"])
+def test_sft_targets_follow_trls_flags_on_its_defaults(name, tmp_path, tokenizer_json):
+    """An SFT file of `messages` and conversational prompt-completion records read through the recipe's
+    [data] keys: on TRL's defaults (assistant_only_loss false, completion_only_loss true; torchmeg's
+    defaults) a conversation trains on every token and a prompt-completion record on its completion,
+    as TRL 1.16's SFTTrainer on its defaults; with `data.assistant_only_loss = true` the targets are
+    its assistant mask (a marked template: TRL takes the mask only from one) on both kinds of record;
+    with `completion_only_loss = false` a prompt-completion record trains on every token too."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+    from torchmeg.config.schema import load_config
+    from torchmeg.data.chat import ChatTemplate
+    from torchmeg.data.chat_data import Targets, tokenize_conversations
+    from torchmeg.data.tokenizer import build_tokenizer
+    path = _folder(tmp_path, tokenizer_json, name)
+    hf, tok, template = AutoTokenizer.from_pretrained(path), build_tokenizer(path + "/tokenizer.json"), ChatTemplate.load(path)
+    records = [{"messages": m} for m in CONVERSATIONS] + [{"prompt": m[:-1], "completion": m[-1:]} for m in CONVERSATIONS]
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(hf), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    for i, flags in enumerate(({}, {"assistant_only_loss": True}, {"completion_only_loss": False})):
+        file = tmp_path / f"sft{i}.jsonl"  # TRL reads one format a dataset: each kind on its own
+        rows = []
+        for kind in (records[:len(CONVERSATIONS)], records[len(CONVERSATIONS):]):
+            trainer = SFTTrainer(model=model, processing_class=hf, train_dataset=Dataset.from_list(kind),
+                                 args=SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False,
+                                                report_to="none", **flags))
+            rows += list(trainer.train_dataset)
+        file.write_text("".join(json.dumps(r) + "\n" for r in records))
+        data = load_config(None, [f"--data.{k}={str(v).lower()}" for k, v in flags.items()]).data
+        ours = tokenize_conversations([str(file)], template, tok, Targets.of(data), None)
+        assert len(ours) == len(rows) == 2 * len(CONVERSATIONS)
+        every = 0
+        for k, row in enumerate(rows):
+            ids, mask = ours.get(k)
+            assert ids.tolist() == list(row["input_ids"]), (name, flags, k)
+            want = [int(label != -100) for label in row["labels"]]
+            assert mask.tolist() == want, (name, flags, k, _spans(hf, ids, mask), _spans(hf, ids, np.asarray(want)))
+            every += bool(mask.all())
+        # every token: the conversations on TRL's defaults, and every record without completion_only_loss
+        assert every == {0: len(CONVERSATIONS), 1: 0, 2: len(rows)}[i], (flags, every)
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen2_5"])
 def test_standard_sft_records_train_as_trls_sft_trainer(name, tmp_path, tokenizer_json):
     """TRL's standard SFT records, no chat template involved: prompt-completion strings (trained on the

@@ -131,14 +131,15 @@ CASES = [
      ["--model.n_layers=20", "--parallelism.tensor_parallel_degree=2", "--data.seq_len=64"]),
     ("deepseek_mla_mtp_fsdp2_full_recompute", "deepseek_v3_debug.toml", 2,
      ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
-    ("llama_lora_fsdp2", "debug_llama.toml", 2, ["--model.n_layers=10", "--lora.enable=true"]),
+    ("llama_lora_fsdp2", "debug_llama.toml", 2,
+     ["--model.n_layers=10", "--lora.enable=true", "--lora.target_modules=['all-linear']"]),
     ("dpo_fsdp2", "dpo_debug.toml", 2, ["--model.n_layers=10"]),
     # GRPO + LoRA, a 32k vocabulary: at the 4 and 5 layers a sampled plan traces, the rollout peaks while
     # the weights are gathered (the embedding's and head's all-gather buffers lead); with 24 layers in
     # the engine's prefill (every layer's KV cache): each phase scaled on its own (a plan scaling one
     # rollout phase said 214 MB for 311)
     ("grpo_lora_fsdp2", "grpo_debug.toml", 2,
-     ["--model.n_layers=24", "--lora.enable=true", "--model.vocab_size=32768"]),
+     ["--model.n_layers=24", "--lora.enable=true", "--lora.target_modules=['all-linear']", "--model.vocab_size=32768"]),
     ("llama_pp2_1f1b_fsdp2", "debug_llama.toml", 4,
      ["--model.n_layers=23", "--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4",
       "--parallelism.pipeline_parallel_layers_per_stage=[12, 11]"]),  # (uneven: each rank's trace of its own)

@@ -185,7 +185,7 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
     assert len(windows) < len(CONVERSATIONS)  # packing happened: some window holds two conversations
 
     args = ["--config", str(tmp_path / "out" / "recipe.toml"), "--training.objective=sft", f"--data.dataset={data}",
-            f"--data.seq_len={seq}", "--data.document_masking=true", "--data.val_fraction=0",
+            f"--data.seq_len={seq}", "--data.document_masking=true", "--data.val_fraction=0", "--data.assistant_only_loss=true",
             f"--training.local_batch_size={len(windows)}", "--training.steps=1", "--validation.enable=false",
             "--metrics.log_freq=1", "--metrics.enable_tensorboard=false"]  # the checkpoint: the converted weights
     run_cli(args, tmp_path, name="sft")
@@ -216,7 +216,7 @@ def test_sft_step_one_loss_equals_transformers_with_the_same_labels(tmp_path):
 
 
 SFT = TINY + ["--training.objective=sft", "--data.dataset=python_stdlib_chat", "--data.chat_template=chatml",
-              "--data.seq_len=256", "--data.document_masking=true", "--training.steps=4",
+              "--data.assistant_only_loss=true", "--data.seq_len=256", "--data.document_masking=true", "--training.steps=4",
               "--training.deterministic=true", "--training.global_batch_size=8", "--checkpoint.enable=true",
               "--checkpoint.interval=2"]
 P = "--parallelism."
@@ -325,13 +325,13 @@ def test_chat_parquet_reads_like_jsonl_and_a_damaged_file_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     from torchmeg.data.chat import ChatTemplate
-    from torchmeg.data.chat_data import tokenize_conversations
+    from torchmeg.data.chat_data import Targets, tokenize_conversations
     from torchmeg.data.tokenizer import ByteTokenizer
     _write_jsonl(tmp_path / "c.jsonl", CONVERSATIONS)
     pq.write_table(pa.table({"messages": CONVERSATIONS}), str(tmp_path / "c.parquet"))
     t = ChatTemplate.load("chatml")
-    a = tokenize_conversations([str(tmp_path / "c.jsonl")], t, ByteTokenizer(), False, None)
-    b = tokenize_conversations([str(tmp_path / "c.parquet")], t, ByteTokenizer(), False, None)
+    a = tokenize_conversations([str(tmp_path / "c.jsonl")], t, ByteTokenizer(), Targets(assistant_only=True), None)
+    b = tokenize_conversations([str(tmp_path / "c.parquet")], t, ByteTokenizer(), Targets(assistant_only=True), None)
     assert len(a) == len(CONVERSATIONS) and (a.ids == b.ids).all() and (a.mask == b.mask).all() \
         and (a.starts == b.starts).all()
     bad = tmp_path / "d.parquet"

@@ -1,4 +1,4 @@
-"""The recipe keys named after TRL's take TRL's defaults (TRL 1.16's `GRPOConfig` and `DPOConfig`, read
+"""The recipe keys named after TRL's take TRL's defaults (TRL 1.16's `GRPOConfig`, `DPOConfig` and `SFTConfig`, read
 from TRL itself): a user who sets nothing runs TRL's algorithm. Where torchmeg spells "off" its own way
 (-1, 0, [] for TRL's None) the mapping is named here; keys TRL does not have are left out."""
 from __future__ import annotations
@@ -48,3 +48,13 @@ def test_dpo_keys_take_trls_defaults():
     ours, theirs = {**_defaults(Dpo), **_defaults(Training)}, _defaults(trl.DPOConfig)
     assert _compare(ours, theirs, {"dpo_beta": "beta", "dpo_loss_type": "loss_type", "label_smoothing": "label_smoothing",
                                    "loss_weights": "loss_weights"})
+
+
+def test_sft_target_keys_take_trls_defaults():
+    """`data.assistant_only_loss` and `data.completion_only_loss` are SFTConfig's (its None for
+    completion_only_loss means true for the prompt-completion records it applies to)."""
+    from torchmeg.config.sections import Data
+    ours, theirs = _defaults(Data), _defaults(trl.SFTConfig)
+    assert ours["assistant_only_loss"] is theirs["assistant_only_loss"] is False
+    assert ours["completion_only_loss"] is True and theirs["completion_only_loss"] in (None, True)
+    assert ours["train_on_prompt"] is False  # (torchmeg's override: every token whatever the two say)

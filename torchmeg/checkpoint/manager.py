@@ -40,7 +40,6 @@ from torchmeg.checkpoint.folder import (MARKER, PENDING, commit_folder, committe
                                         write_json)
 from torchmeg.checkpoint.states import ModelState, OptimizerState, optimizer_tensors
 from torchmeg.config.errors import CheckpointError, ConfigError
-from torchmeg.models.lora import is_adapter
 from torchmeg.runtime.process import collectives_in_one_thread
 
 __all__ = ["MARKER", "CheckpointManager", "all_finite", "committed_steps", "resolve_folder", "step_dir"]
@@ -186,6 +185,7 @@ class CheckpointManager:
                                             self.c.remap_data_position)
         if not meta.get("model_only"):
             resume.check_optimizer(self.cfg, meta.get("recipe") or {}, path)
+        resume.check_adapters(self.cfg, self.model, path)
         recipe = resume.recipe_groups(self.optimizer)
         failed = _load_checked(path, self._states(model_only=meta.get("model_only", False), loading=True),
                                lambda: list(self.model.parameters()) + list(optimizer_tensors(self.optimizer)))
@@ -360,9 +360,7 @@ def load_model_weights(cfg, model, tokenizer: str = "", state=None) -> tuple[int
     if saved and tokenizer and saved != tokenizer:
         raise ConfigError(f"checkpoint {path} was trained with tokenizer {saved}, the recipe's data.tokenizer = "
                           f"{cfg.data.tokenizer!r} is {tokenizer}; use the tokenizer the model was trained with")
-    if not cfg.lora.enable and any(is_adapter(k) for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata):
-        raise ConfigError(f"checkpoint {path} holds LoRA adapters: set lora.enable = true with the lora.* keys it was "
-                          f"trained with (else the base model alone would run)")
+    resume.check_adapters(cfg, model, path)
     failed = _load_checked(path, {"model": state or ModelState(model)}, model.parameters)
     if failed and failed[0] == "load":
         raise CheckpointError(f"checkpoint {path}: its weights do not fit the recipe's model {cfg.model.name}/"

@@ -8,12 +8,19 @@
 * The data position: another global batch or seq_len than the checkpoint's would skip or repeat
   samples; refused unless checkpoint.remap_data_position, which continues from the same number of
   consumed tokens (`data_position`).
+* LoRA adapters: the checkpoint's are the recipe's model's (`check_adapters`): DCP loads what the
+  model asks for, so an adapter the recipe does not target would be dropped without a word.
 """
 from __future__ import annotations
 
 import math
 
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
 from torchmeg.config.errors import ConfigError
+from torchmeg.models.blocks import canonical_fqn
+from torchmeg.models.lora import SUFFIX, adapters, is_adapter
 
 # Recipe keys a resume takes from the recipe, not the checkpoint (recorded at save, compared at load).
 RESUME_KEYS = {"optimizer": ("name", "lr", "weight_decay", "weight_decay_exempt", "betas", "eps", "state_dtype",
@@ -85,3 +92,21 @@ def data_position(path: str, meta: dict, global_batch: int, seq_len: int, remap:
     note = (f"resume     data position remapped by tokens: {d['next_sample']:,} samples x {d['seq_len']} "
             f"-> sample {next_sample:,} x {L} (global batch {d['global_batch']} -> {G})")
     return next_sample - step * G, note
+
+
+def check_adapters(cfg, model, path: str) -> None:
+    """Refuse, in one line, a checkpoint holding LoRA adapters the recipe's model lacks: [lora] off
+    (the base alone would run), or other target_modules than the run that saved it (those adapters
+    would be left out of the load)."""
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):].split(SUFFIX + ".")[0] for k in keys if k.startswith("model.") and is_adapter(k)}
+    if saved and not cfg.lora.enable:
+        raise ConfigError(f"checkpoint {path} holds LoRA adapters: set lora.enable = true with the lora.* keys it was "
+                          f"trained with (else the base model alone would run)")
+    # (a pipeline stage holds its own layers: only the modules this rank's model has are compared)
+    held = {canonical_fqn(fqn) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    left = sorted((saved & held) - set(adapters(model)))
+    if left:
+        raise ConfigError(f"checkpoint {path} holds LoRA adapters on {len(left)} modules the recipe's "
+                          f"lora.target_modules = {list(cfg.lora.target_modules)} does not target ({left[0]}, ...); "
+                          f"set it as the run that saved them did (until 2026-11-30 the default was [\"all-linear\"])")

@@ -51,7 +51,11 @@ class Data:
                                            "restart at each (Megatron's --reset-attention-mask --reset-position-ids)")
     mask_eod_loss: bool = _f(False, help="no loss on a document's first token (Megatron's --eod-mask-loss)")
     chat_template: str = _f("", help="sft/dpo: '' = the tokenizer folder's own; chatml, llama3, a folder or a .jinja")
-    train_on_prompt: bool = _f(False, help="sft: every token is a target, not only the assistant turns")
+    assistant_only_loss: bool = _f(False, help="sft: in conversations only the assistant turns are targets (TRL's "
+                                               "assistant_only_loss; its default false: every token)")
+    completion_only_loss: bool = _f(True, help="sft: in prompt-completion records only the completion is a target "
+                                               "(TRL's completion_only_loss; its default for such records)")
+    train_on_prompt: bool = _f(False, help="sft: every token is a target, whatever the two keys above say")
     long_conversations: str = _f("truncate", choices=["truncate", "drop"], help="sft: longer than seq_len: cut or left out")
 
 
@@ -310,7 +314,10 @@ class Lora:
     init_lora_weights: Union[bool, str] = _f(True, choices=[True, "gaussian"],
                                              help="PEFT's init_lora_weights: true (its default: A kaiming-uniform "
                                                   "as nn.Linear's) or 'gaussian' (A ~ N(0, 1/rank)); B = 0")
-    target_modules: list = _f(["all-linear"], help="module patterns ('*' one name: 'layers.*.attention.wq'), or "
-                                                    "'all-linear': every Linear in the blocks but MoE routers")
+    target_modules: list = _f([], help="[] (PEFT's default, its target_modules=None): the architecture's own "
+                                       "(q_proj and v_proj on Llama and Qwen3, c_attn on GPT-2; none for gpt-oss, "
+                                       "DeepSeek-V3 or Qwen3-MoE: name them); module patterns ('*' one name: "
+                                       "'layers.*.attention.wq'); or 'all-linear': every Linear in the blocks but "
+                                       "MoE routers")
     merge_on_export: bool = _f(False, help="checkpoint.export_hf writes the merged weights instead of base + adapter")
 

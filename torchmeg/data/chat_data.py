@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import textwrap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -35,6 +36,38 @@ from torchmeg.data.sources import BUILTIN_CHAT
 from torchmeg.kernels.fused_ce import IGNORE
 
 _FORMAT = "chat-v2"  # bump when the cached arrays' meaning changes (v2: targets from the structure)
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Which tokens of an SFT record are targets: TRL's SFTConfig flags, on TRL's defaults.
+    `assistant_only` (TRL's assistant_only_loss, default False): a conversation's assistant turns only,
+    else every token; `completion_only` (TRL's completion_only_loss, whose default None is True for
+    prompt-completion records): a prompt-completion record's completion only. Both apply to a
+    conversational prompt-completion record (TRL masks with both). `data.train_on_prompt`: every token."""
+    assistant_only: bool = False
+    completion_only: bool = True
+
+    @classmethod
+    def of(cls, data) -> "Targets":
+        return cls(False, False) if data.train_on_prompt else cls(data.assistant_only_loss, data.completion_only_loss)
+
+
+def encode_record(template: ChatTemplate, tokenizer, record, completion_from: int | None,
+                  targets: Targets) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target mask) of one record of any format (read_records), its targets as TRL's SFTTrainer
+    picks them under the same flags."""
+    if isinstance(record, TextRecord):
+        return encode_text(tokenizer, record, train_on_prompt=not targets.completion_only)
+    if completion_from is None or not targets.completion_only:
+        return encode_conversation(template, tokenizer, record, train_on_prompt=not targets.assistant_only)
+    ids, mask = encode_conversation(template, tokenizer, record, completion_from=completion_from)
+    if targets.assistant_only:  # and the assistant turns within the completion
+        same, assistant = encode_conversation(template, tokenizer, record)
+        if not np.array_equal(same, ids):
+            raise ChatDataError("the template renders the record two ways; it cannot take assistant_only_loss")
+        mask &= assistant
+    return ids, mask
 
 
 # ---- records ------------------------------------------------------------------------------------
@@ -158,9 +191,9 @@ class Conversations:
         return self.ids[a:b], self.mask[a:b]
 
 
-def _fingerprint(paths: list[str], template: ChatTemplate, tokenizer, train_on_prompt: bool) -> str:
+def _fingerprint(paths: list[str], template: ChatTemplate, tokenizer, targets: Targets) -> str:
     h = hashlib.sha1(f"{_FORMAT}|{template.source}|{sorted(template.special.items())}|{tokenizer.fingerprint()}|"
-                     f"{train_on_prompt}".encode())
+                     f"{targets.assistant_only}|{targets.completion_only}".encode())
     for p in paths:
         if p == BUILTIN_CHAT:
             h.update(f"builtin|py{sys.version_info.major}.{sys.version_info.minor}".encode())
@@ -171,13 +204,13 @@ def _fingerprint(paths: list[str], template: ChatTemplate, tokenizer, train_on_p
     return h.hexdigest()[:20]
 
 
-def tokenize_conversations(paths: list[str], template: ChatTemplate, tokenizer, train_on_prompt: bool,
+def tokenize_conversations(paths: list[str], template: ChatTemplate, tokenizer, targets: Targets,
                            cache: str | None) -> Conversations:
     """Every record of `paths`, rendered and tokenized (from the cache when it was done before)."""
     for p in paths:
         if p != BUILTIN_CHAT and not os.path.isfile(p):
             raise ChatDataError(f"{p}: no such chat file (data.dataset lists .jsonl / .parquet files or {BUILTIN_CHAT})")
-    key = _fingerprint(paths, template, tokenizer, train_on_prompt)
+    key = _fingerprint(paths, template, tokenizer, targets)
     cached = os.path.join(cache, f"chat-{key}.npz") if cache else None
     if cached and os.path.isfile(cached):
         with np.load(cached) as z:
@@ -188,8 +221,7 @@ def tokenize_conversations(paths: list[str], template: ChatTemplate, tokenizer, 
                    if p == BUILTIN_CHAT else read_records(p))
         for where, messages, completion_from in records:
             try:
-                a, m = (encode_text(tokenizer, messages, train_on_prompt) if isinstance(messages, TextRecord) else
-                        encode_conversation(template, tokenizer, messages, train_on_prompt, completion_from=completion_from))
+                a, m = encode_record(template, tokenizer, messages, completion_from, targets)
             except ChatDataError as e:
                 raise ChatDataError(f"{where}: {e}") from None
             except Exception as e:  # the template raised (raise_exception) or could not render the record

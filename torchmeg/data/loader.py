@@ -8,7 +8,7 @@ import warnings
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchmeg.data.chat import ChatDataError, chat_template
-from torchmeg.data.chat_data import ChatDataset, ChatWindows, tokenize_conversations
+from torchmeg.data.chat_data import ChatDataset, ChatWindows, Targets, tokenize_conversations
 from torchmeg.data.dataset import StepSampler, TokenDataset
 from torchmeg.data.pairs import PairDataset, Pairs
 from torchmeg.data.prompts import PromptSet
@@ -34,7 +34,7 @@ def open_chat(cfg, tokenizer):
     d = cfg.data
     with _chat_data_errors():
         template = chat_template(cfg)
-        return tokenize_conversations(dataset_list(cfg), template, tokenizer, d.train_on_prompt, cache_dir(cfg))
+        return tokenize_conversations(dataset_list(cfg), template, tokenizer, Targets.of(d), cache_dir(cfg))
 
 
 def open_prompts(cfg, tokenizer):

@@ -101,7 +101,7 @@ def targets(model: nn.Module, patterns: list[str], block_root: str) -> list[str]
     PEFT's all-linear leaves the output head."""
     out = []
     for fqn, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or fqn.endswith(SUFFIX) or f"{SUFFIX}." in fqn:
+        if not isinstance(mod, nn.Linear) or is_adapter_module(fqn):
             continue
         leaf = fqn.rsplit(".", 1)[-1]
         for p in patterns:
@@ -130,6 +130,11 @@ def attach(model: nn.Module, names: list[str], rank: int, alpha: float, dropout:
 def adapters(model: nn.Module) -> dict[str, LoRA]:
     """{base module FQN: its adapter} (wrapper components of compile / recompute / FSDP removed)."""
     return {canonical_fqn(fqn)[:-len(SUFFIX)]: m for fqn, m in model.named_modules() if isinstance(m, LoRA)}
+
+
+def is_adapter_module(fqn: str) -> bool:
+    """An adapter or a module inside one (never a target itself)."""
+    return fqn.endswith(SUFFIX) or f"{SUFFIX}." in fqn
 
 
 def is_adapter(fqn: str) -> bool:

@@ -1,6 +1,8 @@
 """The run header rank 0 prints before step 1: what runs, on what, from where, at what peak."""
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 
@@ -88,8 +90,11 @@ def _lora_lines(cfg, whole, n: int) -> list[str]:
     lo = cfg.lora
     scale = f"alpha / sqrt(rank), rsLoRA: x{lora_scaling(lo.rank, lo.alpha, True):g}" if lo.use_rslora \
         else f"x{lora_scaling(lo.rank, lo.alpha):g}"
+    # [] = PEFT's default for the architecture (checkpoint.peft_targets): the modules it chose, per block
+    targets = ", ".join(lo.target_modules) or \
+        "PEFT's default: " + ", ".join(sorted({re.sub(r"^.*\.\d+\.", "", fqn) for fqn in found}))
     return [f"lora       rank {lo.rank}, alpha {lo.alpha:g} (update {scale}), dropout {lo.dropout:g}: "
-            f"{len(found)} adapters on {', '.join(lo.target_modules)}; {trained / 1e6:.3f}M trainable params "
+            f"{len(found)} adapters on {targets}; {trained / 1e6:.3f}M trainable params "
             f"({trained / n:.2%} of {n / 1e6:.2f}M), the rest frozen"]
 
 
@@ -118,7 +123,11 @@ def _loss_line(cfg, built, layout) -> str:
                    if g.importance_sampling != "none" else "")
                 + f"; {g.num_iterations} optimizer step(s) per batch of rollouts")
     if cfg.training.objective == "sft":
-        what = ("sft: cross-entropy over the " + ("tokens" if cfg.data.train_on_prompt else "assistant tokens")
+        d = cfg.data
+        which = ("the assistant turns" if d.assistant_only_loss else "every token") + \
+            (" (a prompt-completion record: of its completion)" if d.completion_only_loss else "")
+        which = "every token" if d.train_on_prompt else which
+        what = (f"sft: cross-entropy over {which}"
                 + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")
     if cfg.training.fused_linear_cross_entropy:
         vocab = layout.args.vocab_size // layout.dims.tp

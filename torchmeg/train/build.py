@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_ctx
 from torch.profiler import record_function
 
+from torchmeg.checkpoint import peft_targets
 from torchmeg.kernels.fused_ce import IGNORE, linear_cross_entropy
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.layout import Layout
@@ -117,9 +118,13 @@ class BuiltModel:
 
 def add_adapters(model: nn.Module, cfg) -> list[str]:
     """[lora]: adapters beside the target Linears, everything else frozen -> the targets' FQNs."""
-    names = lora.targets(model, list(cfg.lora.target_modules), find_blocks(model, cfg.model.blocks)[0])
+    patterns = list(cfg.lora.target_modules)
+    if patterns:
+        names = lora.targets(model, patterns, find_blocks(model, cfg.model.blocks)[0])
+    else:  # [] = PEFT's target_modules=None: its default for the model's architecture
+        names = peft_targets.default_targets(model, cfg.model.name, model.args, skip=lora.is_adapter_module)
     if not names:
-        raise ConfigError(f"lora.target_modules = {list(cfg.lora.target_modules)}: matches no nn.Linear of the model "
+        raise ConfigError(f"lora.target_modules = {patterns}: matches no nn.Linear of the model "
                           f"('*' matches one name, e.g. 'layers.*.attention.wq'; or 'all-linear')")
     lo = cfg.lora
     lora.attach(model, names, lo.rank, lo.alpha, lo.dropout, lo.use_rslora, lo.init_lora_weights)
