@@ -69,6 +69,67 @@ def test_sampling_draws_from_the_shaped_distribution():
     assert set(sample(logits, Sampling(temperature=2.0, top_k=1), streams, 0).tolist()) == {3}
 
 
+def test_repetition_penalty_is_transformers_processor_cached_or_not():
+    """generate(..., repetition_penalty=p): greedy tokens = a decode loop applying transformers'
+    RepetitionPenaltyLogitsProcessor(p) over prompt + generated, for prompts of different lengths in
+    one batch (the KV cache) and one at a time without it; not the unpenalised tokens."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    model = _model("llama")
+    prompts = [list(b"abcabcab"), list(b"xyx")]
+    rep = RepetitionPenaltyLogitsProcessor(1.3)
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            seq = list(prompt)
+            for _ in range(12):
+                seq.append(int(rep(torch.tensor([seq]), model(torch.tensor([seq]))[:, -1].float())[0].argmax()))
+            want.append(seq[len(prompt):])
+    for use_cache in (True, False):
+        got = generate(model, prompts, 12, -1, Sampling(), "cpu", use_cache=use_cache, repetition_penalty=1.3)
+        assert [g.tokens for g in got] == want, use_cache
+    assert [g.tokens for g in generate(model, prompts, 12, -1, Sampling(), "cpu")] != want
+
+
+def test_generate_takes_what_the_command_line_leaves_out_from_generation_config(tmp_path):
+    """torchmeg.generate as vLLM's LLM.generate on its default `--generation-config auto`: the flags
+    left out take the generation_config.json beside the tokenizer (its values as transformers'
+    GenerationConfig reads them), a flag given wins, `--generation-config vllm` or no file keeps the
+    command line's defaults (greedy, 128 new tokens), and the header says what the file set."""
+    from transformers import GenerationConfig
+    from conftest import byte_level_bpe
+    from torchmeg.config.errors import ConfigError
+    from torchmeg.data.tokenizer import build_tokenizer
+    from torchmeg.inference.generate import parse, resolve_sampling
+    byte_level_bpe(tmp_path / "tokenizer.json", 300, ["<|end|>"])
+    tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    base = ["--config", "x.toml", "--prompt", "hi"]
+
+    def resolved(*flags):
+        a, _ = parse(base + list(flags))
+        return resolve_sampling(a, tok), a
+    s, a = resolved()
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, a.repetition_penalty, a.max_new_tokens, a.note) == \
+        (0.0, 0, 1.0, 0.0, 1.0, 128, "")
+    release = {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
+               "repetition_penalty": 1.05, "max_new_tokens": 64, "eos_token_id": 1}
+    (tmp_path / "generation_config.json").write_text(json.dumps(release))
+    hf = GenerationConfig.from_pretrained(str(tmp_path))
+    s, a = resolved()
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, a.repetition_penalty, a.max_new_tokens) == \
+        (hf.temperature, hf.top_k, hf.top_p, hf.min_p, hf.repetition_penalty, hf.max_new_tokens)
+    assert a.note.startswith("from the model's generation_config.json: temperature 0.6, top_k 20"), a.note
+    s, a = resolved("--temperature", "0", "--max-new-tokens", "8")
+    assert (s.temperature, s.top_p, a.max_new_tokens) == (0.0, 0.9, 8) and "temperature" not in a.note
+    s, a = resolved("--generation-config", "vllm")
+    assert (s.temperature, s.top_k, s.top_p, a.repetition_penalty, a.max_new_tokens, a.note) == \
+        (0.0, 0, 1.0, 1.0, 128, "")
+    (tmp_path / "generation_config.json").write_text(json.dumps({**release, "top_p": 1.5}))
+    with pytest.raises(ConfigError, match=r"generation_config.json: top_p = 1.5 must be in \(0, 1\]"):
+        resolved()
+    with pytest.raises(ConfigError, match=r"--repetition-penalty 0.0: must be in \(0, 2\]"):
+        resolved("--generation-config", "vllm", "--repetition-penalty", "0")
+
+
 def test_sampled_generation_is_seeded_and_batch_independent():
     model = _model("llama")
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]

@@ -56,7 +56,7 @@ def _requests(tok, defaults: dict) -> list:
 
 
 def test_generation_config_sets_what_a_request_leaves_out(tmp_path):
-    from torchmeg.serving.sampling_defaults import sampling_defaults
+    from torchmeg.inference.sampling_defaults import sampling_defaults
     # a release's file (Qwen2.5-Instruct's values, a min_p and a cap added)
     tok = _tokenizer(tmp_path, {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
                                 "min_p": 0.02, "max_new_tokens": 32, "do_sample": True, "eos_token_id": [2]})
@@ -82,7 +82,7 @@ def test_generation_config_sets_what_a_request_leaves_out(tmp_path):
                                           ('{"repetition_penalty": 3}', "repetition_penalty = 3 must be in (0, 2]")])
 def test_a_broken_generation_config_is_one_line(tmp_path, content, why):
     from torchmeg.config.errors import ConfigError
-    from torchmeg.serving.sampling_defaults import sampling_defaults
+    from torchmeg.inference.sampling_defaults import sampling_defaults
     tok = _tokenizer(tmp_path, {})
     (tmp_path / "generation_config.json").write_text(content)
     with pytest.raises(ConfigError, match="generation_config.json") as e:

@@ -84,6 +84,21 @@ def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, 
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 
 
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty (Keskar et al. 2019; transformers' RepetitionPenaltyLogitsProcessor and
+    vLLM's): the logits of the tokens in `seen` (bool, the logits' shape: the prompt's and the
+    generated tokens) divided by `penalty` where positive, multiplied by it elsewhere."""
+    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def _seen(prompts: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[B, vocab] bool: the tokens of each prompt (the repetition penalty's start)."""
+    seen = torch.zeros(len(prompts), vocab, dtype=torch.bool, device=device)
+    for b, p in enumerate(prompts):
+        seen[b, torch.tensor([t for t in p if 0 <= t < vocab], dtype=torch.long, device=device)] = True
+    return seen
+
+
 def drop_below_min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
     """min-p sampling (vLLM's and transformers' MinPLogitsWarper): logits [B, V] of the tokens whose
     probability is below min_p x the row's largest set to -inf."""
@@ -109,9 +124,11 @@ def _sync(device: torch.device) -> None:
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id, sampling: Sampling,
              device, use_cache: bool = True, decode_step=None, sample_index: int = 0,
-             keep_logits: bool = False) -> list[Generated]:
+             keep_logits: bool = False, repetition_penalty: float = 1.0) -> list[Generated]:
     """Generate up to `max_new_tokens` per prompt, stopping a row at `eos_id` (an id, or a set of
     ids: a release's generation_config.json may list several; -1 or an empty set: never).
+    `repetition_penalty` (1: off) applies to the prompt's and the generated tokens before sampling
+    (`keep_logits` keeps the model's logits, before it).
 
     use_cache=False recomputes the whole sequence at every step, one prompt at a time (a batch
     would need the padding mask only the cache path builds). `decode_step(model, tokens_B1, cache)`
@@ -119,15 +136,15 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, eos_id, sampl
     runs in kernels that build nothing per shape (models.kv_cache.varying_shapes)."""
     with varying_shapes():
         return _generate(model, prompts, max_new_tokens, eos_id, sampling, device, use_cache, decode_step,
-                         sample_index, keep_logits)
+                         sample_index, keep_logits, repetition_penalty)
 
 
 def _generate(model, prompts, max_new_tokens, eos_id, sampling, device, use_cache, decode_step, sample_index,
-              keep_logits) -> list[Generated]:
+              keep_logits, penalty) -> list[Generated]:
     device = torch.device(device)
     ends = end_set(eos_id)
     if not use_cache:
-        return [_recompute(model, p, max_new_tokens, ends, sampling, device, sample_index, keep_logits)
+        return [_recompute(model, p, max_new_tokens, ends, sampling, device, sample_index, keep_logits, penalty)
                 for p in prompts]
     B, P = len(prompts), max(len(p) for p in prompts)
     filler = min(ends, default=0)  # what padding slots and finished rows hold (masked: any valid id does)
@@ -142,8 +159,11 @@ def _generate(model, prompts, max_new_tokens, eos_id, sampling, device, use_cach
     _sync(device)
     prefill_ms, t1, decoded = 1000 * (time.perf_counter() - t0), time.perf_counter(), 0
     done = torch.zeros(B, dtype=torch.bool)
+    seen = _seen(prompts, logits.shape[-1], logits.device) if penalty != 1 else None
     for step in range(max_new_tokens):
-        nxt = sample(logits, sampling, streams, step)
+        nxt = sample(logits if seen is None else penalize_repetition(logits, seen, penalty), sampling, streams, step)
+        if seen is not None:
+            seen.scatter_(1, nxt[:, None].to(seen.device), True)
         new = nxt.tolist()
         for b, g in enumerate(out):
             if done[b]:
@@ -188,7 +208,7 @@ def end_set(eos_id) -> frozenset:
 
 
 def _recompute(model, prompt: list[int], max_new_tokens: int, ends: frozenset, sampling: Sampling, device,
-               sample_index: int, keep_logits: bool) -> Generated:
+               sample_index: int, keep_logits: bool, penalty: float = 1.0) -> Generated:
     g = Generated(list(prompt))
     streams = row_streams([prompt], sample_index)
     seq = torch.tensor([prompt], dtype=torch.long, device=device)
@@ -200,6 +220,8 @@ def _recompute(model, prompt: list[int], max_new_tokens: int, ends: frozenset, s
             g.prefill_ms, t1 = 1000 * (time.perf_counter() - t0), time.perf_counter()
         if keep_logits:
             g.logits.append(logits[0].cpu())
+        if penalty != 1:
+            logits = penalize_repetition(logits, _seen([prompt + g.tokens], logits.shape[-1], logits.device), penalty)
         nxt = sample(logits, sampling, streams, step)
         if int(nxt) in ends:
             g.finish_reason = "eos"

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from torchmeg.batching.generation import Sampling, sample
+from torchmeg.batching.generation import Sampling, penalize_repetition, sample
 from torchmeg.batching.scheduler import Job
 
 
@@ -23,9 +23,8 @@ def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
         for i in penalized:
             job = jobs[i]
             if job.repetition != 1:  # over the prompt's and the generated tokens: positive / p, others x p
-                seen = repetition_mask(job, logits.shape[-1], logits.device)
-                row = logits[i]
-                logits[i] = torch.where(seen, torch.where(row > 0, row / job.repetition, row * job.repetition), row)
+                logits[i] = penalize_repetition(logits[i], repetition_mask(job, logits.shape[-1], logits.device),
+                                                job.repetition)
             if (job.presence or job.frequency) and job.tokens:  # logit -= frequency x count + presence x (count > 0)
                 counts = penalty_counts(job, logits.shape[-1], logits.device)
                 logits[i] -= job.frequency * counts + job.presence * (counts > 0).float()

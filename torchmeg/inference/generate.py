@@ -1,6 +1,7 @@
 """python -m torchmeg.generate --config RECIPE [--section.key=value ...] --prompt TEXT [--prompt TEXT ...]
-       [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S]
-       [--num-samples N] [--batch-size B] [--no-cache] [--ignore-eos] [--json] [--chat]
+       [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--min-p P]
+       [--repetition-penalty R] [--generation-config auto|vllm] [--seed S] [--num-samples N]
+       [--batch-size B] [--no-cache] [--ignore-eos] [--json] [--chat]
 
 Samples text from the recipe's trained model: the newest committed checkpoint of its run
 (--checkpoint.load_step=N for another; --checkpoint.folder=DIR for another run's), whatever layout
@@ -9,8 +10,11 @@ folder holding safetensors). One process, or under torchrun tensor parallel over
 process (the model's own TP plan; every rank samples the same token). With --compile.enable=true
 the decode step is compiled once, over a static KV cache.
 
-Greedy at temperature 0 (the default); otherwise temperature, top-k and top-p, seeded: a prompt's
-text depends only on (seed, prompt, sample number), alone or in a batch. --prompts-file: one prompt
+Sampling as vLLM's `LLM.generate` takes it: what the command line leaves out comes from the model's
+generation_config.json (beside its tokenizer; a converted release's), else greedy (temperature 0),
+128 new tokens, no top-k / top-p / min-p or repetition penalty; --generation-config vllm ignores the
+file. Temperature, min-p, top-k and top-p (vLLM's order), after the repetition penalty; seeded: a
+prompt's text depends only on (seed, prompt, sample number), alone or in a batch. --prompts-file: one prompt
 per line, or JSON lines with a "prompt" field (.jsonl). An empty prompt starts a new document.
 """
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
 from torchmeg.batching.generation import Sampling, decode_one, generate
 from torchmeg.inference.kv_replicas import replicate_kv_heads
+from torchmeg.inference.sampling_defaults import sampling_defaults
 from torchmeg.inference.trained import load_trained
 from torchmeg.train.validate import validate
 
@@ -44,10 +49,15 @@ def parse(argv: list[str]):
     ap.add_argument("--config", required=True, help="the recipe the model was trained with")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     ap.add_argument("--prompts-file", default=None, help="prompts, one per line (or JSON lines: .jsonl)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=0, help="0 = off")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the model's, else 128")
+    ap.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the model's, else 0)")
+    ap.add_argument("--top-k", type=int, default=None, help="0 = off (default: the model's, else off)")
+    ap.add_argument("--top-p", type=float, default=None, help="1 = off (default: the model's, else off)")
+    ap.add_argument("--min-p", type=float, default=None, help="0 = off (default: the model's, else off)")
+    ap.add_argument("--repetition-penalty", type=float, default=None, help="1 = off (default: the model's, else off)")
+    ap.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                    help="auto (vLLM's default): the model's generation_config.json sets what is left out; vllm: "
+                    "the defaults above")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     ap.add_argument("--batch-size", type=int, default=0, help="prompts run together (0 = all)")
@@ -108,6 +118,28 @@ def check(a, prompt_ids: list[list[int]], max_len: int) -> None:
                               f"{a.max_new_tokens} new ones exceed the model's max_seq_len {max_len}; lower it")
 
 
+# flag -> (generation_config.json's field as sampling_defaults names it, the default without one)
+DEFAULTS = {"temperature": ("temperature", 0.0), "top_k": ("top_k", 0), "top_p": ("top_p", 1.0), "min_p": ("min_p", 0.0),
+            "repetition_penalty": ("repetition_penalty", 1.0), "max_new_tokens": ("max_tokens", 128)}
+
+
+def resolve_sampling(a, tok) -> Sampling:
+    """The flags left out take the model's generation_config.json values (vLLM's `auto`), else the
+    defaults above; a.note says which the file set (for the header line)."""
+    from_file, _ = sampling_defaults(tok, a.generation_config)
+    taken = []
+    for flag, (field, default) in DEFAULTS.items():
+        if getattr(a, flag) is None:
+            setattr(a, flag, from_file.get(field, default))
+            taken += [f"{flag} {from_file[field]}"] if field in from_file else []
+    a.note = "from the model's generation_config.json: " + ", ".join(taken) if taken else ""
+    if not 0 < a.repetition_penalty <= 2:
+        raise ConfigError(f"--repetition-penalty {a.repetition_penalty}: must be in (0, 2] (1 = off)")
+    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed, a.min_p)
+    sampling.check()
+    return sampling
+
+
 def prepare(argv: list[str]):
     a, rest = parse(argv)
     cfg = load_config(a.config, rest)
@@ -115,9 +147,8 @@ def prepare(argv: list[str]):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     a.kv_copies = replicate_kv_heads(cfg, world)
     layout = validate(inference_config(cfg, world), world, data=False)
-    sampling = Sampling(a.temperature, a.top_k, a.top_p, a.seed)
-    sampling.check()
     tok = build_tokenizer(cfg.data.tokenizer)
+    sampling = resolve_sampling(a, tok)
     texts = read_prompts(a)
     a.stop, a.stop_id = "", None
     if a.chat:  # a fine-tuned model: the template's prompt, stopped at its end-of-turn
@@ -143,7 +174,8 @@ def run(prepared) -> None:
     if rank == 0 and not a.json:
         kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
         print(f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
-              f"{'compiled' if step else 'eager'} decode{'' if not a.no_cache else ' without KV cache'}",
+              f"{'compiled' if step else 'eager'} decode{'' if not a.no_cache else ' without KV cache'}"
+              + (f" | sampling defaults {a.note}" if a.note else ""),
               file=sys.stderr, flush=True)
     size = a.batch_size or len(ids)
     for sample_index in range(a.num_samples):
@@ -152,7 +184,8 @@ def run(prepared) -> None:
             # The end of text, a release's generation_config.json ends, and the template's end of turn.
             eos = () if a.ignore_eos else tok.end_ids | ({a.stop_id} if a.stop_id is not None else set())
             out = generate(loaded.built.model, batch, a.max_new_tokens, eos, sampling, loaded.device,
-                           use_cache=not a.no_cache, decode_step=step, sample_index=sample_index)
+                           use_cache=not a.no_cache, decode_step=step, sample_index=sample_index,
+                           repetition_penalty=a.repetition_penalty)
             if rank == 0:
                 for i, g in enumerate(out):
                     _print(a, texts[start + i], start + i, sample_index, g, tok, loaded, layout)

@@ -35,7 +35,7 @@ class Served:
     template_error: str
     model_id: str
     max_len: int
-    defaults: dict = field(default_factory=dict)  # sampling defaults (serving.sampling_defaults)
+    defaults: dict = field(default_factory=dict)  # sampling defaults (inference.sampling_defaults)
 
 
 class ApiError(Exception):

@@ -34,7 +34,7 @@ from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, slot_length
-from torchmeg.serving.sampling_defaults import sampling_defaults
+from torchmeg.inference.sampling_defaults import sampling_defaults
 from torchmeg.batching.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
 

@@ -123,7 +123,7 @@ class FrontendSpec:
     port: int
     drain_timeout: float
     header: str
-    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # (serving.sampling_defaults)
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)  # (inference.sampling_defaults)
 
 
 def main(conn, spec: FrontendSpec) -> None:

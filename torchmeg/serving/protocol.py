@@ -25,7 +25,7 @@ class _Sampling(_Strict):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     # None: the served model's default (its generation_config.json, as vLLM's --generation-config auto),
-    # else the API's: temperature 1, top_p 1, top_k 0 (off) (serving.sampling_defaults)
+    # else the API's: temperature 1, top_p 1, top_k 0 (off) (inference.sampling_defaults)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
