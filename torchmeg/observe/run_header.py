@@ -125,7 +125,7 @@ def _loss_line(cfg, built, layout) -> str:
     if cfg.training.objective == "sft":
         d = cfg.data
         which = ("the assistant turns" if d.assistant_only_loss else "every token") + \
-            (" (a prompt-completion record: of its completion)" if d.completion_only_loss else "")
+            (" (of the completion, in a prompt-completion record)" if d.completion_only_loss else "")
         which = "every token" if d.train_on_prompt else which
         what = (f"sft: cross-entropy over {which}"
                 + ", summed / the targets of the whole global batch (every target weighs the same in every layout)")
