@@ -410,3 +410,53 @@ def test_lora_default_targets_are_pefts(tmp_path):
         with pytest.raises(ConfigError, match=r"^lora.target_modules = \[\] .*PEFT has no default .*all-linear"):
             ours(recipe, [])
     assert all(PEFTS.get(kind) is None for kind in ("deepseek_v3", "gpt_oss", "qwen3_moe"))
+
+
+def test_a_peft_adapter_converts_beside_its_model_with_peft_logits(tmp_path):
+    """`convert from-hf BASE --adapter FOLDER`: a PEFT adapter (rsLoRA, on q, k, v, o and down: the RoPE
+    row order of q and k included) saved by PEFT next to its Llama goes into the converted checkpoint,
+    its [lora] keys into the recipe, and torchmeg's model built from that recipe gives PeftModel's
+    logits (not the base's); a DoRA adapter is refused naming the key."""
+    import json as json_
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from torchmeg.checkpoint.convert import main as convert
+    from torchmeg.checkpoint.peft_import import read_config
+    from torchmeg.config.errors import ConfigError
+    from torchmeg.config.schema import load_config
+    from torchmeg.models import build_model
+    from torchmeg.train.build import add_adapters
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).eval()
+    base.save_pretrained(str(tmp_path / "hf"))
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=16, use_rslora=True,
+                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])).eval()
+    with torch.no_grad():
+        for n, p in peft.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2)  # (trained: B is no longer zero)
+    peft.save_pretrained(str(tmp_path / "adapter"))
+    out = tmp_path / "out"
+    assert convert(["from-hf", str(tmp_path / "hf"), "--out", str(out), "--adapter", str(tmp_path / "adapter")]) == 0
+    cfg = load_config(str(out / "recipe.toml"))
+    assert (cfg.lora.enable, cfg.lora.rank, cfg.lora.alpha, cfg.lora.use_rslora) == (True, 4, 16.0, True)
+    assert sorted(cfg.lora.target_modules) == [f"layers.*.{m}" for m in ("attention.wk", "attention.wo", "attention.wq",
+                                                                        "attention.wv", "feed_forward.w2")]
+    model = build_model(cfg, 320, "cpu")
+    assert len(add_adapters(model, cfg)) == 5 * 2
+    sd = {"model": model.state_dict()}
+    dcp.load(sd, checkpoint_id=str(out / "checkpoint" / "step-00000000"), no_dist=True)
+    model.load_state_dict(sd["model"])
+    x = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = peft(x).logits
+        assert_tensor_close(model.eval()(x), want, FP32_PARITY, "torchmeg's logits vs PeftModel's")
+        with peft.disable_adapter():
+            assert (peft(x).logits - want).abs().max() > 100 * FP32_PARITY * want.abs().max()  # the adapter matters
+    adapter_config = tmp_path / "adapter" / "adapter_config.json"
+    adapter_config.write_text(json_.dumps({**json_.loads(adapter_config.read_text()), "use_dora": True}))
+    with pytest.raises(ConfigError, match=r"adapter_config.json: use_dora = True: torchmeg's LoRA adapters compute"):
+        read_config(str(tmp_path / "adapter"))  # (the CLI prints it as its one line, exit 2)

@@ -1,4 +1,5 @@
 """python -m torchmeg.convert from-hf FOLDER --out DIR [--family auto|hf] [--dtype auto|float32|bfloat16|float16]
+                                     [--adapter PEFT_FOLDER]
        python -m torchmeg.convert to-hf CHECKPOINT --config RECIPE --out DIR [--max-shard-gb G] [--section.key=value ...]
 
 from-hf: reads FOLDER/config.json, picks the native family that implements it (llama, incl. Llama 3.1
@@ -10,7 +11,8 @@ native family, a model-only checkpoint DIR/checkpoint/step-00000000 that trainin
 evaluation start from (`hf` models read FOLDER's safetensors themselves: checkpoint.initial_load_hf).
 Under torchrun each rank converts and writes its own share of the tensors (read one by one from the
 safetensors: no rank holds the model). A config field the native family does not implement is
-refused in one line naming it.
+refused in one line naming it. --adapter: a PEFT LoRA adapter of that model (PeftModel.save_pretrained's
+folder) goes into the checkpoint beside it and its [lora] keys into the recipe (checkpoint.peft_import).
 
 to-hf: a committed checkpoint (any layout saved it) of RECIPE's model -> DIR/model-0000i-of-0000N
 .safetensors + model.safetensors.index.json + config.json, which transformers loads as is. Each
@@ -29,7 +31,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from torchmeg.checkpoint import lora_export
+from torchmeg.checkpoint import lora_export, peft_import
 from torchmeg.checkpoint.folder import MARKER, commit_folder, committed_steps, file_records, step_dir, tmp_dir
 from torchmeg.checkpoint.hf import from_hf_state_dict, hf_names, to_hf_state_dict, torchmeg_fqns
 from torchmeg.checkpoint.hf_files import write_safetensors
@@ -77,7 +79,7 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, float):
         return repr(v)
-    return json.dumps(v) if isinstance(v, str) else str(v)
+    return json.dumps(v) if isinstance(v, (str, list)) else str(v)
 
 
 def _copy_tokenizer(src: str, out: str) -> None:
@@ -87,7 +89,7 @@ def _copy_tokenizer(src: str, out: str) -> None:
 
 
 def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: str | None, source: str,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, lora: dict | None = None) -> None:
     """The converted model's recipe; `max_positions` (config.json's max_position_embeddings): a context
     shorter than data.seq_len's default sets seq_len to it, so generate, eval and serve take the model as
     written (they refuse a seq_len beyond the model's context)."""
@@ -103,6 +105,9 @@ def write_recipe(path: str, name: str, keys: dict, tokenizer: str, checkpoint: s
         lines.append(f"folder = {_toml_value(checkpoint)}")
     else:
         lines.append(f"initial_load_hf = {_toml_value(source)}")
+    if lora:
+        lines += ["", "[lora]  # the PEFT adapter converted beside the model"]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in lora.items()]
     with open(path, "w") as fh:
         fh.write("\n".join(lines) + "\n")
 
@@ -143,6 +148,9 @@ def from_hf(a) -> None:
                           f"read the quantized tensors as they are; "
                           + ("use --family auto, whose native family dequantizes them" if a.family == "hf" else
                              f"model_type {config.get('model_type')!r} has no native family to dequantize them into"))
+    if native is None and a.adapter:
+        raise ConfigError(f"--adapter: {config.get('model_type')!r} has no native family to convert the adapter into; "
+                          f"`hf` models load the base only (merge the adapter with PEFT and convert the merged model)")
     if native is None:  # transformers' own modules read the folder themselves
         if rank == 0:
             os.makedirs(out, exist_ok=True)
@@ -182,6 +190,9 @@ def from_hf(a) -> None:
         for n in names:  # (tied: one tensor in the folder, two names here)
             state[n] = torch.empty(shapes[fqn], dtype=dtype, device="meta")
             loaders[f"model.{n}"] = functools.partial(_convert_one, reader, fqn, args, dtype, shapes[fqn])
+    adapter, lora = peft_import.read_adapter(a.adapter, args, shapes) if a.adapter else ({}, None)
+    if rank == 0:  # (small: written by one rank)
+        state.update(adapter)
     if rank == 0 and hasattr(args, "n_experts"):  # a selection bias the folder lacks starts at 0
         state.update({f"{p}.moe.expert_bias": torch.zeros(args.n_experts) for p in _moe_prefixes(args)
                       if f"{p}.moe.expert_bias" not in targets})
@@ -200,8 +211,9 @@ def from_hf(a) -> None:
                 "tokenizer": build_tokenizer(tokenizer).fingerprint() if tokenizer != "byte" else ""}
         commit_folder(tmp, final, meta, file_records(tmp, os.listdir(tmp)))
         write_recipe(os.path.join(out, "recipe.toml"), name, keys, tokenizer, ckpt, src,
-                     config.get("max_position_embeddings"))
-        print(f"{config.get('model_type')} -> native {name}: wrote {final} and {out}/recipe.toml")
+                     config.get("max_position_embeddings"), lora)
+        print(f"{config.get('model_type')} -> native {name}: wrote {final} and {out}/recipe.toml"
+              + (f" (with the LoRA adapter of {a.adapter}: {len(adapter) // 2} modules)" if adapter else ""))
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
@@ -340,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="from-hf: auto = the folder's config.json dtype; to-hf: auto = float32")
     ap.add_argument("--max-shard-gb", type=float, default=5.0, help="to-hf: size of each safetensors file")
+    ap.add_argument("--adapter", default=None, help="from-hf: a PEFT LoRA adapter folder of the model, converted "
+                                                     "beside it")
     ap.add_argument("--merge-lora", action="store_true", help="to-hf: LoRA adapters merged into the weights "
                                                                "(default: a PEFT adapter folder beside them)")
     a, overrides = ap.parse_known_args(sys.argv[1:] if argv is None else argv)
