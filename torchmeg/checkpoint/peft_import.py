@@ -23,7 +23,7 @@ PREFIX = "base_model.model."
 # adapter_config.json keys whose other values torchmeg's adapters do not compute -> the value they need
 NEEDED = {"peft_type": "LORA", "use_dora": False, "bias": "none", "fan_in_fan_out": False, "modules_to_save": None,
           "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "target_parameters": None,
-          "lora_bias": False}
+          "lora_bias": False, "layer_replication": None}
 
 
 def read_config(folder: str) -> dict:
