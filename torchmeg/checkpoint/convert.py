@@ -45,7 +45,7 @@ from torchmeg.config.sections import Data
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.models.args import instantiate, model_args
 from torchmeg.models.spec import get_spec
-from torchmeg.models.lora import SUFFIX, is_adapter
+from torchmeg.models.lora import adapted_module, is_adapter
 from torchmeg.runtime.guard import cli_main
 
 PROG = "torchmeg.convert"
@@ -314,7 +314,7 @@ def to_hf(a, overrides: list[str]) -> None:
         if i % world != rank:
             continue
         if a.merge_lora:
-            sd.update({f: _empty(meta, f) for f in adapters if f.split(SUFFIX + ".")[0] + ".weight" in sd})
+            sd.update({f: _empty(meta, f) for f in adapters if adapted_module(f) + ".weight" in sd})
         dcp.load({"model": sd}, checkpoint_id=path, no_dist=True)
         if a.merge_lora:
             base, pairs = lora_export.split(sd)

@@ -17,7 +17,7 @@ import torch
 from torchmeg.checkpoint.hf import hf_names, tensor_to_hf
 from torchmeg.checkpoint.hf_files import write_safetensors
 from torchmeg.models import lora
-from torchmeg.models.lora import SUFFIX, is_adapter
+from torchmeg.models.lora import adapted_module, is_adapter
 
 ADAPTER_DIR = "adapter"  # beside the base model's safetensors
 
@@ -28,8 +28,8 @@ def split(sd: dict) -> tuple[dict, dict]:
     pairs = {}
     for k, v in sd.items():
         if is_adapter(k):
-            module, part = k[:-len(".weight")].rsplit(".", 1)  # m_lora, A | B
-            pairs.setdefault(module[:-len(SUFFIX)], {})[part] = v
+            part = k[:-len(".weight")].rsplit(".", 1)[1]  # A | B
+            pairs.setdefault(adapted_module(k), {})[part] = v
     return base, {m: (p["A"], p["B"]) for m, p in pairs.items()}
 
 

@@ -17,7 +17,7 @@ import re
 
 from torchmeg.checkpoint.hf import tensor_from_hf, torchmeg_fqns
 from torchmeg.config.errors import ConfigError
-from torchmeg.models.lora import SUFFIX
+from torchmeg.models.lora import SUFFIX, adapted_module
 
 PREFIX = "base_model.model."
 # adapter_config.json keys whose other values torchmeg's adapters do not compute -> the value they need
@@ -66,7 +66,7 @@ def read_adapter(folder: str, args, shapes: dict) -> tuple[dict, dict]:
             raise ConfigError(f"{folder}: {key} is {tuple(t.shape)}, where r = {config['r']} and {module} make {want}")
         t = t if part == "lora_A" else tensor_from_hf(f"{base}.weight", t, args)  # B's rows are the weight's
         out[f"{base}{SUFFIX}.{'A' if part == 'lora_A' else 'B'}.weight"] = t.contiguous()
-    modules = sorted({k.split(SUFFIX + ".")[0] for k in out})
+    modules = sorted({adapted_module(k) for k in out})
     if not modules or any(f"{m}{SUFFIX}.{p}.weight" not in out for m in modules for p in "AB"):
         raise ConfigError(f"{folder}: every adapted module needs its lora_A and lora_B")
     keys = {"enable": True, "rank": config["r"], "alpha": float(config.get("lora_alpha", 8)),

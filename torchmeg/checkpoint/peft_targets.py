@@ -21,7 +21,7 @@ from torchmeg.checkpoint.hf import hf_names
 from torchmeg.checkpoint.hf_export import hf_config
 from torchmeg.config.errors import ConfigError
 
-# PEFT 0.21's table, entry for entry (tests/test_lora.py holds it equal to the installed PEFT's).
+# PEFT 0.21's table, entry for entry (tests/test_lora_peft.py holds it equal to the installed PEFT's).
 PEFT_TARGETS: dict[str, list[str] | str] = {
     "t5": ["q", "v"], "mt5": ["q", "v"], "bart": ["q_proj", "v_proj"], "gpt2": ["c_attn"],
     "bloom": ["query_key_value"], "blip-2": ["q", "v", "q_proj", "v_proj"], "opt": ["q_proj", "v_proj"],

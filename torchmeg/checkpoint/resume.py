@@ -20,7 +20,7 @@ from torch import nn
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.blocks import canonical_fqn
-from torchmeg.models.lora import SUFFIX, adapters, is_adapter
+from torchmeg.models.lora import adapted_module, adapters, is_adapter
 
 # Recipe keys a resume takes from the recipe, not the checkpoint (recorded at save, compared at load).
 RESUME_KEYS = {"optimizer": ("name", "lr", "weight_decay", "weight_decay_exempt", "betas", "eps", "state_dtype",
@@ -99,7 +99,7 @@ def check_adapters(cfg, model, path: str) -> None:
     (the base alone would run), or other target_modules than the run that saved it (those adapters
     would be left out of the load)."""
     keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = {k[len("model."):].split(SUFFIX + ".")[0] for k in keys if k.startswith("model.") and is_adapter(k)}
+    saved = {adapted_module(k[len("model."):]) for k in keys if k.startswith("model.") and is_adapter(k)}
     if saved and not cfg.lora.enable:
         raise ConfigError(f"checkpoint {path} holds LoRA adapters: set lora.enable = true with the lora.* keys it was "
                           f"trained with (else the base model alone would run)")

@@ -137,6 +137,12 @@ def is_adapter_module(fqn: str) -> bool:
     return fqn.endswith(SUFFIX) or f"{SUFFIX}." in fqn
 
 
+def adapted_module(fqn: str) -> str:
+    """The base module an adapter tensor belongs to ('layers.0.attention.wq_lora.A.weight' ->
+    'layers.0.attention.wq')."""
+    return fqn.split(SUFFIX + ".")[0]
+
+
 def is_adapter(fqn: str) -> bool:
     return f"{SUFFIX}.A." in fqn or f"{SUFFIX}.B." in fqn
 
