@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import itertools
 import logging
-import multiprocessing as mp
 import sys
 
 import torch.distributed as dist
@@ -39,6 +38,7 @@ from torchmeg.plan import depth, trace_cache
 from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
 from torchmeg.plan.pipeline_rank import measure_pipeline, pipeline_ranks
 from torchmeg.plan.step_cost import mesh_group_labels
+from torchmeg.plan.trace_lanes import lane, run_lanes
 from torchmeg.plan.trace_step import measure_step, peak_phase
 from torchmeg.runtime.cpus import usable_cores
 from torchmeg.train.build import add_adapters
@@ -114,8 +114,9 @@ class DryRun:
         return sorted(out, key=lambda r: r["rank"])
 
 
-def prepare(cfg, layout: Layout) -> DryRun:
-    """What to trace for this plan (torchmeg.plan.depth), registered for the children that trace it."""
+def prepare(cfg, layout: Layout, whole=None) -> DryRun:
+    """What to trace for this plan (torchmeg.plan.depth), registered for the children that trace it.
+    `whole`: the model on meta if the caller has it (read only; LoRA adds its adapters to one of its own)."""
     dims, st = layout.dims, layout.stages
     cfg.compile.enable = False
     # A plan is for a GPU with float8 matmuls: count torch._scaled_mm, not the CPU's emulation of it.
@@ -126,7 +127,8 @@ def prepare(cfg, layout: Layout) -> DryRun:
                           f"one it traces) or float8.enable = false")
     kinds = None
     if cfg.plan.trace_layers == "sampled":
-        whole = instantiate(layout.spec, layout.args, "meta")
+        if whole is None or cfg.lora.enable:
+            whole = instantiate(layout.spec, layout.args, "meta")
         if cfg.lora.enable:
             add_adapters(whole, cfg)
         kinds = depth.layer_kinds(whole, layout.spec, cfg)
@@ -180,10 +182,10 @@ def forget(run: DryRun) -> None:
 
 
 def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None) -> list[dict]:
-    """Trace each job, as many at a time as this machine has cores, each in a forked child of its own:
-    DeviceMesh keeps process groups of an earlier fake world alive in its caches (torch 2.13), so one
-    process cannot be two ranks in a row. A job whose trace plan.trace_cache holds is read, not traced.
-    `done(job)` is told as each finishes (search's progress)."""
+    """Trace each job, as many at a time as this machine has cores, in forked children that keep to one
+    fake world each (torchmeg.plan.trace_lanes: a child traces the next job of its world and meshes as
+    it finishes one, never another rank's). A job whose trace plan.trace_cache holds is read, not
+    traced. `done(job)` is told as each finishes."""
     out = {}
     for job in jobs:
         piece = cached_piece(job)
@@ -195,12 +197,23 @@ def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None)
     if len(todo) == 1 and not isolate:
         out[todo[0]] = trace_job(todo[0])
     elif todo:
-        with mp.get_context("fork").Pool(max(1, min(len(todo), usable_cores())), maxtasksperchild=1) as pool:
-            for job, piece in pool.imap_unordered(_traced, todo, chunksize=1):
-                out[job] = piece
-                if done is not None:
-                    done(job)
+        def pick(want):
+            job = next((j for j in todo if want(job_lane(j))), None)
+            if job is not None:
+                todo.remove(job)
+            return job
+
+        def finished(job, piece):
+            out[job] = piece
+            if done is not None:
+                done(job)
+        run_lanes(max(1, min(len(todo), usable_cores())), job_lane, pick, finished, trace_job)
     return [out[j] for j in jobs]
+
+
+def job_lane(job: tuple[int, int, int]) -> tuple:
+    """The fake world a job is traced in (torchmeg.plan.trace_lanes.lane)."""
+    return lane(_PREPARED[job[0]], job)
 
 
 def cached_piece(job: tuple[int, int, int]) -> dict | None:
@@ -211,10 +224,6 @@ def cached_piece(job: tuple[int, int, int]) -> dict | None:
     piece = trace_cache.load(run.cfg.plan.trace_cache, trace_cache.job_key(run, job))
     run.cached += piece is not None
     return piece
-
-
-def _traced(job):
-    return job, trace_job(job)
 
 
 def trace_job(job: tuple[int, int, int]) -> dict:

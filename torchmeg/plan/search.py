@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import copy
 import itertools
-import multiprocessing as mp
-import queue
 import time
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.plan.dry_run import cached_piece, forget, trace_job
+from torchmeg.plan.dry_run import cached_piece, forget, job_lane, trace_job
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.planner import finish_plan, prepare_plan
 from torchmeg.plan.trace_cache import traced_program
+from torchmeg.plan.trace_lanes import run_lanes
 from torchmeg.runtime.cpus import usable_cores
 from torchmeg.train.validate import validate
 
@@ -100,47 +99,58 @@ def _dominated_by(c, accum: int, over, over_accum: int) -> bool:
 def _trace_in_order(prepared, alias, finished, rows) -> int:
     """Trace the layouts' jobs on every core, the least memory first within each sharding; a layout
     left when one it dominates (_dominated_by) has been found not to fit is not traced: it is reported
-    as not fitting, naming that one. -> jobs traced."""
-    # One sharding's layouts a round apart (round-robin over the shardings): by the time a layout is
-    # taken, the smaller ones of its sharding have mostly been traced and can rule it out.
+    as not fitting, naming that one. The children keep to a lane each (torchmeg.plan.trace_lanes: one
+    fake world and meshes), so a child finishes its layout's jobs of its lane and then takes the next
+    layout of its own sharding; a sharding's next layout waits for the one before it to be complete,
+    so that one can rule it out. -> jobs traced."""
+    # The shardings round-robin: a free core starts on a sharding no other core is on.
     chains: dict[tuple, list] = {}
     for cp in sorted(prepared, key=lambda cp: _memory_order(cp[0])):
         chains.setdefault(_memory_order(cp[0])[:3], []).append(cp)
     order = [cp for rnd in itertools.zip_longest(*chains.values()) for cp in rnd if cp is not None]
-    done_q: queue.Queue = queue.Queue()
-    traced, submitted, no_fit = {}, set(), []
+    traced, submitted, taken, no_fit = {}, set(), [], []
     waiting = {p.run.key: {alias[j] for j in p.run.jobs} for _, p in prepared}
-    in_flight, slots = 0, usable_cores()  # (the pool's size and the jobs kept in flight: one number)
-    with mp.get_context("fork").Pool(slots, maxtasksperchild=1) as pool:
-        while order or in_flight:
-            while order and in_flight < slots:
-                c, p = order.pop(0)
-                if p.run.key not in waiting:  # (every trace it needs came in for a layout of the same program)
-                    continue
-                over = next((o for o in no_fit if _dominated_by(c, p.layout.accum, o[0], o[2])), None)
-                if over is not None:
-                    rows[p.run.key] = {"layout": describe(c), "fits": False, "traced": False, "need_gib": None,
-                                       "why": f"does not fit: {describe(over[0])} already needs {over[1]:.1f} GiB"}
-                    continue
-                for job in waiting[p.run.key] - submitted:
-                    submitted.add(job)
-                    in_flight += 1
-                    piece = cached_piece(job)
-                    if piece is not None:  # (plan.trace_cache: traced by an earlier plan)
-                        done_q.put((job, piece, None))
-                        continue
-                    pool.apply_async(trace_job, (job,), callback=lambda r, j=job: done_q.put((j, r, None)),
-                                     error_callback=lambda e, j=job: done_q.put((j, None, e)))
-                _complete(c, p, waiting, traced, finished, no_fit, alias)
-            if not in_flight:
+
+    def arrived(job, piece):
+        traced[job] = piece
+        for c, p in prepared:
+            _complete(c, p, waiting, traced, finished, no_fit, alias)
+
+    def wanted(p, want) -> list:
+        return sorted(j for j in waiting[p.run.key] - submitted if want(job_lane(j)))
+
+    def next_job(want):
+        """A wanted lane's job: of a layout taken and not complete, else of the next layout in order
+        whose sharding has none in progress (taken here, or ruled out by one that did not fit)."""
+        for c, p in taken:
+            if p.run.key in waiting and (jobs := wanted(p, want)):
+                return jobs[0]
+        busy = {_memory_order(c)[:3] for c, p in taken if p.run.key in waiting}
+        for c, p in list(order):
+            if p.run.key not in waiting:  # (every trace it needs came in for a layout of the same program)
+                order.remove((c, p))
                 continue
-            job, piece, err = done_q.get()
-            in_flight -= 1
-            if err is not None:
-                raise err
-            traced[job] = piece
-            for c, p in prepared:
-                _complete(c, p, waiting, traced, finished, no_fit, alias)
+            if _memory_order(c)[:3] in busy or not (jobs := wanted(p, want)):
+                continue
+            order.remove((c, p))
+            over = next((o for o in no_fit if _dominated_by(c, p.layout.accum, o[0], o[2])), None)
+            if over is not None:
+                rows[p.run.key] = {"layout": describe(c), "fits": False, "traced": False, "need_gib": None,
+                                   "why": f"does not fit: {describe(over[0])} already needs {over[1]:.1f} GiB"}
+                continue
+            taken.append((c, p))
+            return jobs[0]
+        return None
+
+    def pick(want):
+        while (job := next_job(want)) is not None:
+            submitted.add(job)
+            piece = cached_piece(job)
+            if piece is None:
+                return job
+            arrived(job, piece)  # (plan.trace_cache: traced by an earlier plan)
+        return None
+    run_lanes(usable_cores(), job_lane, pick, arrived, trace_job)
     return len(traced)
 
 
