@@ -60,3 +60,25 @@ def test_a_child_traces_its_lanes_jobs_in_turn_with_a_fresh_childs_numbers():
     finally:
         for p in prepared:
             dry_run.forget(p.run)
+
+
+@pytest.mark.slow
+def test_a_trace_that_fails_or_dies_is_raised_and_no_child_is_left():
+    """A trace's exception reaches the planner as it was raised; a child that dies is said with its exit
+    code and the job it was tracing; either way every child is gone when the planner goes on."""
+    import multiprocessing as mp
+
+    from torchmeg.plan.trace_lanes import run_lanes
+
+    def trace(job):
+        if job == "boom":
+            raise ValueError("this op's shape depends on the data")
+        if job == "dies":
+            os._exit(3)
+        return job
+    for bad, said in (("boom", "depends on the data"), ("dies", "exit code 3\\) tracing job dies")):
+        todo, got = ["a", bad, "b", "c"], {}
+        with pytest.raises((ValueError, RuntimeError), match=said):
+            run_lanes(2, lambda job: 0, lambda want: todo.pop(0) if todo else None, got.__setitem__, trace)
+        assert not mp.active_children()
+        assert set(got) <= {"a", "b", "c"}

@@ -181,18 +181,16 @@ def forget(run: DryRun) -> None:
     _PREPARED.pop(run.key, None)
 
 
-def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None) -> list[dict]:
+def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False) -> list[dict]:
     """Trace each job, as many at a time as this machine has cores, in forked children that keep to one
     fake world each (torchmeg.plan.trace_lanes: a child traces the next job of its world and meshes as
     it finishes one, never another rank's). A job whose trace plan.trace_cache holds is read, not
-    traced. `done(job)` is told as each finishes."""
+    traced."""
     out = {}
     for job in jobs:
         piece = cached_piece(job)
         if piece is not None:
             out[job] = piece
-            if done is not None:
-                done(job)
     todo = [j for j in jobs if j not in out]
     if len(todo) == 1 and not isolate:
         out[todo[0]] = trace_job(todo[0])
@@ -202,12 +200,7 @@ def run_jobs(jobs: list[tuple[int, int, int]], isolate: bool = False, done=None)
             if job is not None:
                 todo.remove(job)
             return job
-
-        def finished(job, piece):
-            out[job] = piece
-            if done is not None:
-                done(job)
-        run_lanes(max(1, min(len(todo), usable_cores())), job_lane, pick, finished, trace_job)
+        run_lanes(max(1, min(len(todo), usable_cores())), job_lane, pick, out.__setitem__, trace_job)
     return [out[j] for j in jobs]
 
 
