@@ -39,14 +39,16 @@ def test_a_child_traces_its_lanes_jobs_in_turn_with_a_fresh_childs_numbers():
 
         before = []  # (a child's own copy: the traces it ran before this one)
 
-        def trace(job):
+        def trace(job):  # -> (the child, by a name drawn at its first trace: a pid can be reused, ...)
+            if not before:
+                before.append(os.urandom(8).hex())
             before.append(job)
-            return os.getpid(), len(before) - 1, dry_run.trace_job(job)
+            return before[0], len(before) - 2, dry_run.trace_job(job)
         run_lanes(2, dry_run.job_lane, pick, lambda job, r: got.__setitem__(job, r), trace)
         assert set(got) == set(jobs)
         lanes: dict = {}
-        for job, (pid, _, _) in got.items():
-            lanes.setdefault(pid, set()).add(dry_run.job_lane(job))
+        for job, (child, _, _) in got.items():
+            lanes.setdefault(child, set()).add(dry_run.job_lane(job))
         assert all(len(ls) == 1 for ls in lanes.values()), lanes  # a child is one world, one rank, one set of meshes
         assert len({dry_run.job_lane(j) for j in jobs}) == 3, jobs  # (TP 2 x FSDP 2; PP 2's two ranks)
         assert len(lanes) < len(jobs), (len(lanes), len(jobs))  # children were kept for their lane's next job
