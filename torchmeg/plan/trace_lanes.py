@@ -88,7 +88,9 @@ def run_lanes(slots: int, lane_of: Callable, pick: Callable, done: Callable, tra
                     c.give(job)
             while len(children) < slots:
                 busy = {c.key for c in children}
-                job = pick(lambda k: k not in busy) or pick(lambda k: True)
+                job = pick(lambda k: k not in busy)
+                if job is None:
+                    job = pick(lambda k: True)
                 if job is None:
                     break
                 c = _Child(lane_of(job), trace)
