@@ -7,9 +7,11 @@ unsharded, in the reduce dtype, until then. So a stage is measured in four parts
 tensors alike:
 
 1. the root's own parameters gathered (embeddings, final norm, output head): one all-gather set;
-2. a first microbatch from sharded blocks: the blocks' all-gather set, and the bytes it leaves
-   held to the reduce (`kept`: the gathered weights and the unsharded accumulated gradients);
-3. a second microbatch over gathered weights: its activations, transient peaks, ops and the
+2. what the first microbatch leaves held to the reduce (`kept`: the gathered weights and the
+   unsharded accumulated gradients), and the blocks' all-gather set: FSDP's own unshard of each
+   block, then each trainable weight given its gradient and FSDP's own end-of-backward callback
+   (_first_backward_state), not a traced forward and backward;
+3. a microbatch over gathered weights: its activations, transient peaks, ops and the
    collectives every microbatch issues (TP, CP, EP);
 4. the reduce itself (reduce-scatter, HSDP all-reduce, the 1/microbatches scaling): once a step.
 
@@ -49,8 +51,14 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         with root_cost:
             if isinstance(part, FSDPModule):
                 part.unshard()
-        with cold_cost:
-            _microbatch(part, x, kw, loss_fn, y)
+        if blocks and not isinstance(part, FSDPModule):  # (no recipe: FSDP blocks without an FSDP root)
+            with cold_cost:
+                _microbatch(part, x, kw, loss_fn, y)
+        else:
+            with cold_cost:
+                for m in blocks:
+                    m.unshard()  # each block's all-gather, as the first microbatch's forward issues it
+            _first_backward_state(part)
         # (the parameters' own gradients are counted with the model state: only what FSDP holds besides)
         kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
     mt = step_memory()
@@ -72,6 +80,25 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
             "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
             "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
             "reduce_ops": reduce_cost.ops}
+
+
+def _first_backward_state(part) -> None:
+    """What a stage's first microbatch leaves held, without tracing its forward and backward (half of
+    a pipeline trace's time): every trainable weight, gathered, given the gradient autograd's first
+    backward gives it (the weight's shape, dtype and placements; the values matter neither on fake
+    tensors nor to a byte count), then, under FSDP, FSDP's own end-of-backward callback, which runs
+    each parameter group's post-backward as for a backward that reached none of them: with gradient
+    sync off the gradient stays unsharded, or moves into FSDP's accumulated gradient of the reduce
+    dtype. The bytes held and the all-gathers are a traced first microbatch's (checked plan against
+    plan on every pipeline case of tests/test_plan.py and tests/test_plan_depth.py, the 70B and the
+    405B: docs/planning.md)."""
+    for p in part.parameters():  # (FSDP's gathered weights: registered on the modules while unsharded)
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    if isinstance(part, FSDPModule):
+        state = part._get_fsdp_state()
+        state._lazy_init()  # (as the first forward begins: this module the root)
+        state._root_post_backward_final_callback()
 
 
 def _accumulated_grads(part) -> list[torch.Tensor]:
