@@ -89,9 +89,10 @@ def _first_backward_state(part) -> None:
     tensors nor to a byte count), then, under FSDP, FSDP's own end-of-backward callback, which runs
     each parameter group's post-backward as for a backward that reached none of them: with gradient
     sync off the gradient stays unsharded, or moves into FSDP's accumulated gradient of the reduce
-    dtype. The bytes held and the all-gathers are a traced first microbatch's (checked plan against
-    plan on every pipeline case of tests/test_plan.py and tests/test_plan_depth.py, the 70B and the
-    405B: docs/planning.md)."""
+    dtype. The bytes held and the all-gathers are a traced first microbatch's, but for the stage's
+    input, which a traced one had left tracked here as well as in the next microbatch's activations
+    (every number of ten PP plans compared, the 70B, the 405B, MoE, float8 and LoRA among them:
+    docs/planning.md)."""
     for p in part.parameters():  # (FSDP's gathered weights: registered on the modules while unsharded)
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
