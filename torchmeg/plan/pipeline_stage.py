@@ -51,14 +51,11 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         with root_cost:
             if isinstance(part, FSDPModule):
                 part.unshard()
-        if blocks and not isinstance(part, FSDPModule):  # (no recipe: FSDP blocks without an FSDP root)
-            with cold_cost:
-                _microbatch(part, x, kw, loss_fn, y)
-        else:
-            with cold_cost:
-                for m in blocks:
-                    m.unshard()  # each block's all-gather, as the first microbatch's forward issues it
-            _first_backward_state(part)
+        # (FSDP blocks always have an FSDP root: parallel.data.apply_fsdp shards the root after them)
+        with cold_cost:
+            for m in blocks:
+                m.unshard()  # each block's all-gather, as the first microbatch's forward issues it
+        _first_backward_state(part)
         # (the parameters' own gradients are counted with the model state: only what FSDP holds besides)
         kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
     mt = step_memory()
