@@ -115,3 +115,32 @@ def test_checkpoint_reshards_between_pp2_and_one_process(tmp_path, reference):
     assert "resumed   from step 2" in p.stdout
     got = {r["step"]: r for r in read_metrics(tmp_path, "pp_again")}
     compare(reference[2:], [got[3], got[4]])
+
+
+def test_the_schedule_keeps_no_outputs_between_steps():
+    """torch's schedules keep every microbatch's last-stage output (the logits) from its forward to the
+    next step (`return_outputs` defaults to True, pytorch/pytorch#159251): n_micro x a microbatch's
+    logits on the last pipeline rank, through the update. The trainer reads only the losses, so its
+    Pipeline asks for none; torch's own default, run beside it, keeps them (so this test fails if
+    the Pipeline passed nothing). One stage on a one-rank gloo group, in this process."""
+    import torch
+    import torch.distributed as dist  # lazy: this test's one-rank group only
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import ScheduleGPipe
+    from torchmeg.parallel.pipeline import Pipeline
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        kept = {}
+        for name, run in (("torch's default", lambda s, *a, **k: s.step(*a, **k)),
+                          ("Pipeline", lambda s, *a, **k: Pipeline(s).step(*a, **k))):
+            stage = PipelineStage(torch.nn.Linear(8, 16), 0, 1, torch.device("cpu"))
+            schedule = ScheduleGPipe(stage, n_microbatches=4, loss_fn=lambda out, y: (out - y).pow(2).mean())
+            for _ in range(2):
+                losses = []
+                run(schedule, torch.randn(8, 8), target=torch.randn(8, 16), losses=losses)
+                assert len(losses) == 4
+            kept[name] = len(stage.output_chunks)
+            assert Pipeline(schedule).recv_buffers() == []  # (one stage: first and last, nothing received)
+        assert kept == {"torch's default": 4, "Pipeline": 0}
+    finally:
+        dist.destroy_process_group()

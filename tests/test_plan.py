@@ -47,9 +47,18 @@ def _plan(args, timeout=400):
 @pytest.mark.parametrize("name,world,extra", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     """The debug recipe (validation and checkpoints on, as shipped): per planned rank, parameter +
-    gradient + optimizer bytes equal the trainer's model_state_mib bytes, the activation peak is
-    within 20% of the tracker's on the real run, and every collective (mesh dim, kind: count and
-    bytes, point-to-point included) and the FLOPs are the same."""
+    gradient + optimizer bytes equal the trainer's model_state_mib bytes, the step's peak is the
+    tracker's on the real run (within 0.5% without a pipeline, traced whole; with one, whose stages are
+    accounted for from one microbatch each and torch's action order, within 2% under FSDP (seen: 0.06-1.1%)
+    and 6% without (seen: 4.6% over on the first rank, whose gradients the plan holds from the step's
+    start where the real run makes them during its first backward)), and every collective
+    (mesh dim, kind: count and bytes, point-to-point included) and the FLOPs are the same.
+    The peak, not the activations: the tracker files the gradients FSDP's reduce makes (and, without
+    FSDP, those autograd makes) as temporaries rather than gradients, so the real run's split of its
+    peak into categories is not the plan's, while the peak itself is. What the pipeline plan got wrong
+    until 2026-11-30, each shown against this test: FSDP's sharded gradients counted during the
+    microbatches (10-13% over on pp2_fsdp2_bf16), torch's receive buffers left out (2.9-4.2% under on
+    pp2_fsdp2), a stage without FSDP with its gradients counted twice (10% over on pp2)."""
     # (document masking off: attention's cost follows where the data's documents end, which a plan
     # without the data counts as one document per window, an upper bound; FLOPs must match here)
     common = ["--config", RECIPE, f"--job.dump_folder={tmp_path}", "--metrics.enable_tensorboard=false",
@@ -58,8 +67,9 @@ def test_plan_equals_the_real_run(name, world, extra, tmp_path):
     assert len(plan["ranks"]) == (2 if name.startswith("pp2") else 1)
     for r, m in zip(plan["ranks"], measured):
         assert r["model_state_bytes"] == m["model_state_bytes"], (name, r["rank"])
-        assert abs(r["activation_bytes"] - m["activation_bytes"]) <= 0.2 * m["activation_bytes"], \
-            (name, r["rank"], r["activation_bytes"], m["activation_bytes"])
+        peak, real = r["peak_bytes"], m["memory"]["Total"]
+        bound = 0.005 if not name.startswith("pp") else 0.02 if "fsdp" in name else 0.06
+        assert abs(peak - real) <= bound * real, (name, r["rank"], peak, real)
         got = {k: (c["count"], c["bytes"]) for k, c in r["comm"].items()}
         want = {k: (c["count"], c["bytes"]) for k, c in m["comm"].items()}
         assert got == want, (name, r["rank"])

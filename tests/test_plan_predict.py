@@ -262,7 +262,7 @@ def test_fsdp_at_128_gpus_matches_published_runs_and_memory(row, plan_traces):
 # (Table 6, 405B 4D: ~2 min a plan, printed by the tool and in docs/planning.md, not run here)
 TABLES = [r for r in RUNS if ("(Table" in r[0] or "A100" in r[0]) and "(Table 6)" not in r[0]]
 # Known misses, each failing the day it enters the band (docs/planning.md says why). Memory: Interleaved
-# 1F1B planned 86.5 GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 82.5): the plan holds the
+# 1F1B planned 85.0 GiB where torchtitan measured 72.7 (its 1F1B: 82.5, planned 80.3): the plan holds the
 # same weights, accumulated gradients and as many microbatch-layers in flight on ranks 0-3 for both
 # schedules, and the source does not say what the run did differently. Tokens/s: CP 4 and 8 predict
 # 1.23x / 1.28x: at 32k tokens a rank torch's CP attention runs pieces of the same shapes at every degree,

@@ -213,16 +213,34 @@ class Pipeline:
         self.schedule = schedule
         self._eval_order = _forward_only_order(schedule)
 
+    # Both run with return_outputs=False: the trainer reads the losses, never the merged outputs, and
+    # torch's default (True) keeps every microbatch's last-stage output (the logits) in the stage's
+    # output_chunks from its forward to the start of the next step, through the update
+    # (pytorch/pytorch#159251): n_micro x the logits of a microbatch on the last pipeline rank.
     def step(self, *args, **kw):
-        return self.schedule.step(*args, **kw)
+        return self.schedule.step(*args, return_outputs=False, **kw)
+
+    def recv_buffers(self) -> list[torch.Tensor]:
+        """The receive buffers this rank's stages hold for the whole run (torch 2.13 allocates them at the
+        first step and keeps them: one per microbatch for each input of a non-first stage, one per
+        microbatch for each output gradient of a non-last stage; pytorch/pytorch#193872 and #196463 change
+        that after 2.13). Read from torch's own `_RecvInfo`s; none before the first step."""
+        sched = self.schedule
+        stages = sched._stages if hasattr(sched, "_stages") else [sched._stage]
+        out = []
+        for stage in stages:
+            for table in (stage.args_recv_info, stage.grad_recv_info):
+                out += [info.buffer for infos in table.values() for info in infos
+                        if isinstance(getattr(info, "buffer", None), torch.Tensor)]
+        return out
 
     def eval(self, *args, **kw):
         if self._eval_order is None:
-            return self.schedule.eval(*args, **kw)
+            return self.schedule.eval(*args, return_outputs=False, **kw)
         train_order = self.schedule.pipeline_order_with_comms
         self.schedule.pipeline_order_with_comms = self._eval_order
         try:
-            return self.schedule.eval(*args, **kw)
+            return self.schedule.eval(*args, return_outputs=False, **kw)
         finally:
             self.schedule.pipeline_order_with_comms = train_order
 

@@ -36,6 +36,11 @@ def measure_main(cfg, json_path: str | None) -> int:
     else:
         batches = [next(it) for _ in range(layout.accum)]
     labels = mesh_group_labels(trainer.mesh, *([trainer.ep_mesh] if trainer.ep_mesh is not None else []))
+    # A pipeline's receive buffers, held since step 1 (the plan counts them: plan.pipeline_rank); told to
+    # the tracker, which would otherwise see an input buffer only once a forward reads it and a gradient
+    # buffer never (it is written by a receive and read by the autograd engine).
+    schedule = trainer.built.schedule
+    held = list(held) + (schedule.recv_buffers() if schedule is not None else [])
     m = track_step(lambda: trainer.train_step(batches), [trainer.model], trainer.optimizer, labels, held=held)
     out = {"rank": trainer.rank, "model_state_bytes": trainer.state_bytes, "memory": m["memory"],
            "activation_bytes": activation_bytes(m["memory"]), "flops": m["flops"], "flops_by_op": m["flops_by_op"], "comm": m["comm"],

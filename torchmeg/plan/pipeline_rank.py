@@ -68,7 +68,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
             per_stage[sid] = None
             continue
         with loss_parallel() if takes_sharded_logits(layout, built) else contextlib.nullcontext():
-            fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch)
+            fm = measure_stage(part, opt, labels, x, last, y, n_micro, kw, per_microbatch, received=sid != 0)
         fm["in_bytes"] = x.numel() * x.element_size() if sid != 0 else 0
         per_stage[sid] = fm
         traced.append(sid)
@@ -92,6 +92,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
             "stages_traced": traced,
             "buffers": sum(b.numel() * b.element_size() for part in built.parts for b in part.buffers()),
             "params": sum(local_bytes(p) for part in built.parts for p in part.parameters()),
+            "grads": sum(local_bytes(p) for p in built.model.parameters() if p.requires_grad),  # (of the state)
             "reports": {i: dict(p.torchmeg_report) for i, p in enumerate(built.parts)}}
 
 
@@ -151,9 +152,21 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
         # FSDP's gathered weights and unsharded accumulated gradients are held from a stage's first
         # microbatch to the step's reduce (an upper bound for the few actions before they exist).
         kept = sum(stage["kept"] for stage in mine.values())
-        memory = {"Total": max(state + buffers + kept + peak, tail_m["memory"].get("Total", 0)), "Parameter": params,
-                  "Gradient": params,  # fp32 gradients of every local parameter, held to the update
-                  "Optstate": state - 2 * params, "Buffer": buffers}
+        # torch's receive buffers, one per microbatch each way, allocated at the first step and kept (so the
+        # update's peak has them too): plan.pipeline_stage.measure_stage
+        recv = sum(stage["recv_bytes"] for stage in mine.values())
+        # The parameters' own gradients while the microbatches run: a stage without FSDP accumulates into
+        # them from its first backward; under FSDP they are made by the step's reduce (the trainer sets them
+        # to None after each update), so `kept` holds the stage's gradients until then, and the reduce,
+        # making them while `kept` is still held, peaks at the state and `kept` at most.
+        # The categories are those of the peak's moment, as a traced step's snapshot gives them.
+        grads = meas["grads"]
+        own_grads = sum(stage["own_grads"] for stage in mine.values())
+        during = state - grads + own_grads + kept + peak
+        after = max(state + kept, tail_m["memory"].get("Total", 0) - buffers)
+        memory = {"Total": recv + buffers + max(during, after), "Parameter": params,
+                  "Gradient": own_grads if during > after else grads,
+                  "Optstate": state - params - grads, "Buffer": buffers}
         m = Measurement(memory=memory, flops=flops, ops=ops, comm=rank_comm)
         m.update(rank=pp_rank * (dims.world_size // dims.pp), pp_rank=pp_rank, stages=ids, model_state_bytes=state,
                  report=meas["report"], traced_layers=meas["traced_layers"],
@@ -161,6 +174,7 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
                  pipeline={"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb, "bubble": bub,
                            "stage_activation_bytes": {s: st["act"] for s, st in mine.items()},
                            "stage_kept_bytes": {s: st["kept"] for s, st in mine.items()},
+                           "stage_recv_buffer_bytes": {s: st["recv_bytes"] for s, st in mine.items()},
                            "fsdp_gathers": gathers[pp_rank]})
         out.append(m)
     return out

@@ -25,6 +25,7 @@ import types
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor
 
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
 from torchmeg.plan.step_cost import StepCost
@@ -33,10 +34,12 @@ from torchmeg.plan.step_cost import StepCost
 FSDP_DIMS = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "efsdp")
 
 
-def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, reshard_per_microbatch: bool) -> dict:
+def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, reshard_per_microbatch: bool,
+                  received: bool = False) -> dict:
     """-> {act, fwd_transient, bwd_transient, out_bytes, flops, ops, comm (per microbatch),
-    kept, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the last
-    stage's loss (None on the others); `kw`: the model's keyword inputs."""
+    kept, recv_bytes, own_grads, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the
+    last stage's loss (None on the others); `kw`: the model's keyword inputs; `received`: x comes from
+    the previous stage (into a receive buffer, counted in recv_bytes, not as an activation)."""
     blocks = [m for m in part.modules() if isinstance(m, FSDPModule) and m is not part]
     if isinstance(part, FSDPModule):
         part.set_requires_gradient_sync(False)  # as torch's stage, for every microbatch's backward
@@ -56,17 +59,27 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
             for m in blocks:
                 m.unshard()  # each block's all-gather, as the first microbatch's forward issues it
         _first_backward_state(part)
-        # (the parameters' own gradients are counted with the model state: only what FSDP holds besides)
-        kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
+        # The parameters' own gradients are counted with the model state: only what FSDP holds besides.
+        # Without FSDP the gradients given are those very ones (autograd accumulates into them), which
+        # the tracker, seeing them made rather than accumulated, files under no gradient category.
+        own_grads = 0 if isinstance(part, FSDPModule) else sum(
+            _local_bytes(p.grad) for p in part.parameters() if p.grad is not None)
+        kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0 - own_grads
     mt = step_memory()
     # The gradients FSDP accumulates unsharded are counted in `kept`: told to this tracker, the second
     # microbatch's in-place accumulation into them is not counted again as new bytes (it was, as a
     # transient the size of the stage's reduce-dtype gradients: 23 GiB a rank in the 405B PP 8 plan).
-    mt.track_external(part, opt, *_accumulated_grads(part))
+    # torch's stage receives a microbatch's input into a buffer of its own and its output gradient into
+    # another, kept for the whole run (one per microbatch each way: parallel.pipeline.Pipeline.recv_buffers),
+    # so neither is the microbatch's: the input is told to the tracker before `base` (it would be counted as
+    # an activation when the forward reads it) and the output gradient's bytes come off the backward's
+    # transient; both are `recv_bytes`, n_micro of each.
+    mt.track_external(part, opt, *_accumulated_grads(part), *([x] if received else []))
     with mt, cost:
         base = current_bytes(mt)
-        out_bytes, after_fwd, fwd_peak = _microbatch(part, x, kw, loss_fn, y, mt)
-        bwd_peak = peak_bytes(mt).get("Total", 0)  # the peak of both passes: >= forward's
+        out_bytes, after_fwd, fwd_peak, grad_bytes = _microbatch(part, x, kw, loss_fn, y, mt)
+        # the peak of both passes (>= forward's), the output gradient's buffer not in it
+        bwd_peak = max(fwd_peak, peak_bytes(mt).get("Total", 0) - grad_bytes)
     for m in blocks:
         m.set_reshard_after_forward(reshard_per_microbatch)
     with reduce_cost:
@@ -74,6 +87,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
     fsdp = lambda table: {k: c for k, c in table.items() if k.split("/")[0] in FSDP_DIMS}  # noqa: E731
     return {"act": after_fwd - base, "fwd_transient": max(0, fwd_peak - after_fwd),
             "bwd_transient": max(0, bwd_peak - after_fwd), "out_bytes": out_bytes, "flops": cost.flops,
+            "recv_bytes": n_micro * ((_local_bytes(x) if received else 0) + grad_bytes), "own_grads": own_grads,
             "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
             "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
             "reduce_ops": reduce_cost.ops}
@@ -108,19 +122,28 @@ def _accumulated_grads(part) -> list[torch.Tensor]:
 
 def _microbatch(part, x, kw, loss_fn, y, mt=None):
     """One forward + backward of the stage (the last one's loss, the others' output gradient of
-    ones) -> (output bytes, bytes held after forward, the forward's peak); the output and the
-    input's gradient are dropped after, as the schedule sends and frees them."""
+    ones) -> (output bytes, bytes held after forward, the forward's peak, the output gradient's bytes:
+    0 on the last stage); the output and the input's gradient are dropped after, as the schedule
+    sends and frees them."""
     out = part(x, **kw)
     after_fwd = current_bytes(mt) if mt is not None else 0
     fwd_peak = peak_bytes(mt).get("Total", 0) if mt is not None else 0
+    grad_bytes = 0
     if loss_fn is not None:
         loss_fn(out, y).backward()
     else:
-        out.backward(torch.ones_like(out))
+        grad = torch.ones_like(out)
+        grad_bytes = _local_bytes(grad)
+        out.backward(grad)
     out_bytes = out.numel() * out.element_size()
     if isinstance(x, torch.Tensor) and x.requires_grad:
         x.grad = None
-    return out_bytes, after_fwd, fwd_peak
+    return out_bytes, after_fwd, fwd_peak, grad_bytes
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
 
 
 def _reduce_grads(part, n_micro: int) -> None:
