@@ -229,7 +229,7 @@ class Pipeline:
         stages = sched._stages if hasattr(sched, "_stages") else [sched._stage]
         out = []
         for stage in stages:
-            for table in (stage.args_recv_info, stage.grad_recv_info):
+            for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
                 out += [info.buffer for infos in table.values() for info in infos
                         if isinstance(getattr(info, "buffer", None), torch.Tensor)]
         return out

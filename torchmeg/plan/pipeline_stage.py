@@ -25,8 +25,8 @@ import types
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import _PipelineStageBase
-from torch.distributed.tensor import DTensor
 
+from torchmeg.observe.metrics import local_bytes
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
 from torchmeg.plan.step_cost import StepCost
 
@@ -63,7 +63,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         # Without FSDP the gradients given are those very ones (autograd accumulates into them), which
         # the tracker, seeing them made rather than accumulated, files under no gradient category.
         own_grads = 0 if isinstance(part, FSDPModule) else sum(
-            _local_bytes(p.grad) for p in part.parameters() if p.grad is not None)
+            local_bytes(p.grad) for p in part.parameters() if p.grad is not None)
         kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0 - own_grads
     mt = step_memory()
     # The gradients FSDP accumulates unsharded are counted in `kept`: told to this tracker, the second
@@ -87,7 +87,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
     fsdp = lambda table: {k: c for k, c in table.items() if k.split("/")[0] in FSDP_DIMS}  # noqa: E731
     return {"act": after_fwd - base, "fwd_transient": max(0, fwd_peak - after_fwd),
             "bwd_transient": max(0, bwd_peak - after_fwd), "out_bytes": out_bytes, "flops": cost.flops,
-            "recv_bytes": n_micro * ((_local_bytes(x) if received else 0) + grad_bytes), "own_grads": own_grads,
+            "recv_bytes": n_micro * ((local_bytes(x) if received else 0) + grad_bytes), "own_grads": own_grads,
             "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
             "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
             "reduce_ops": reduce_cost.ops}
@@ -133,17 +133,13 @@ def _microbatch(part, x, kw, loss_fn, y, mt=None):
         loss_fn(out, y).backward()
     else:
         grad = torch.ones_like(out)
-        grad_bytes = _local_bytes(grad)
+        grad_bytes = local_bytes(grad)
         out.backward(grad)
     out_bytes = out.numel() * out.element_size()
     if isinstance(x, torch.Tensor) and x.requires_grad:
         x.grad = None
     return out_bytes, after_fwd, fwd_peak, grad_bytes
 
-
-def _local_bytes(t: torch.Tensor) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
 
 
 def _reduce_grads(part, n_micro: int) -> None:
