@@ -142,6 +142,43 @@ def test_the_plan_traces_the_update_a_gpu_runs(layout, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world,layout,on", [
+    (2, ["--parallelism.data_parallel_shard_degree=2"], "local"),
+    (4, ["--parallelism.tensor_parallel_degree=2"], "local"),
+    (4, ["--parallelism.pipeline_parallel_degree=2", "--training.mixed_precision=bf16"], "local"),
+    # TP without FSDP: the norms' weights are replicated and their gradients Partial, which DTensor's
+    # update all-reduces: the update runs as the trainer runs it
+    (2, ["--parallelism.tensor_parallel_degree=2"], "dtensor")], ids=["fsdp2", "tp2_fsdp2", "pp2_fsdp2_bf16", "tp2"])
+def test_the_update_runs_on_local_shards_with_the_same_numbers(world, layout, on, tmp_path, monkeypatch):
+    """The traced update runs on the DTensors' local shards where DTensor would run it there with no
+    collective (plan.trace_step.on_local_shards: DTensor's sharding propagation of the foreach ops is
+    most of an update's trace time), and the plan is the one DTensor's own update gives, every number
+    of it: each traced step writes down whether the update's parameters were DTensors, with the
+    shortcut on and off."""
+    import contextlib
+    import torch.optim.adam as adam
+    from torch.distributed.tensor import DTensor
+    from torchmeg.plan import trace_step
+    from torchmeg.plan.planner import plan
+    ran = tmp_path / "ran"
+
+    def note(params, *a, _real=adam._multi_tensor_adam, **k):
+        with open(ran, "a") as fh:
+            fh.write(f"{'dtensor' if any(isinstance(p, DTensor) for p in params) else 'local'}\n")
+        return _real(params, *a, **k)
+    monkeypatch.setattr(adam, "_multi_tensor_adam", note)
+    plans = {}
+    for how in ("on", "off"):
+        if how == "off":
+            monkeypatch.setattr(trace_step, "on_local_shards", lambda opt: contextlib.nullcontext())
+        plans[how] = plan(load_config(RECIPE, layout), world, "h100", isolate=True)
+        assert set(ran.read_text().split()) == {on if how == "on" else "dtensor"}, how
+        ran.unlink()
+        plans[how].pop("dry_run_s")
+    assert plans["on"] == plans["off"]
+
+
+@pytest.mark.slow
 def test_plan_refuses_a_layout_that_does_not_divide():
     p = _plan(["--config", RECIPE, "--world", "3", "--parallelism.tensor_parallel_degree=2"], timeout=60)
     assert p.returncode == 2
