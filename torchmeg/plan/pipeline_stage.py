@@ -141,7 +141,6 @@ def _microbatch(part, x, kw, loss_fn, y, mt=None):
     return out_bytes, after_fwd, fwd_peak, grad_bytes
 
 
-
 def _reduce_grads(part, n_micro: int) -> None:
     """torch's own `perform_reduce_grad`, the action a schedule runs after a stage's last backward
     (FSDP's post-backward with gradient sync and reshard on, then gradients / microbatches), on

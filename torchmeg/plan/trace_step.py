@@ -108,6 +108,14 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
                        flops_by_op=cost.flops_by_op())
 
 
+def _one_placement(p: DTensor, state: dict | None) -> bool:
+    """Whether p's gradient and optimizer state exist and have p's mesh and placements."""
+    def same(t) -> bool:
+        return isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
+    return bool(state) and (p.grad is None or same(p.grad)) and all(
+        same(v) for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
+
+
 @contextlib.contextmanager
 def on_local_shards(opt):
     """torch's Adam / AdamW update run on the local shards of DTensor parameters, gradients and state:
@@ -116,14 +124,11 @@ def on_local_shards(opt):
     that placement, with no redistribution, and then runs each op on the local tensors; deciding it is
     the cost (the foreach ops over every parameter, decided afresh in each trace's own fake world: 0.8 s
     of a 70B trace, more for gpt-oss's experts). Any other case (another optimizer, a placement that
-    differs, state not yet created) runs as the trainer runs it."""
+    differs, state not yet created) runs as the trainer runs it, and so does a real run's update
+    (`--measure`: the reality a plan is checked against runs the trainer's own code, on real tensors)."""
     pairs = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if isinstance(p, DTensor)]
-    same = lambda t, p: t is None or (isinstance(t, DTensor) and t.device_mesh == p.device_mesh  # noqa: E731
-                                      and t.placements == p.placements)
-    if (type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not pairs
-            or any(not opt.state.get(p) or not same(p.grad, p)
-                   or not all(same(v, p) for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim)
-                   for _, _, p in pairs)):
+    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not pairs or not all(
+            isinstance(p._local_tensor, FakeTensor) and _one_placement(p, opt.state.get(p)) for _, _, p in pairs):
         yield
         return
     state = opt.state
