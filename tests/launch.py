@@ -106,11 +106,13 @@ class Zygote:
             raise RuntimeError(f"the test zygote did not start: {open(os.path.join(self.dir, 'log')).read()[-2000:]}")
         atexit.register(self.close)
 
-    def spawn(self, module: str, args: list[str], env: dict, out_path: str, err_path: str) -> Forked:
-        processes.launching(f"python -m {module}, forked by the test zygote")
+    def spawn(self, module: str, args: list[str], env: dict, out_path: str, err_path: str,
+              script: str = "") -> Forked:
+        """`python -m MODULE ARGS`, or with `script` `python SCRIPT ARGS`, forked."""
+        processes.launching(f"python {script or '-m ' + module}, forked by the test zygote")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self.path)
-        conn.sendall(json.dumps({"module": module, "args": list(args), "env": env, "cwd": ROOT,
+        conn.sendall(json.dumps({"module": module, "script": script, "args": list(args), "env": env, "cwd": ROOT,
                                  "stdout": out_path, "stderr": err_path}).encode() + b"\n")
         run = Forked(conn)
         processes.started(run.pid)
@@ -155,10 +157,16 @@ def _zygote_locked(env: dict):
 
 
 def start(cmd: list[str], env: dict, out_path: str, err_path: str):
-    """`python -m MODULE ARGS` (cmd) as a fork of the zygote when its environment allows, else a
-    fresh interpreter; stdout/stderr to the two files."""
-    z = zygote_for(env) if cmd[1] == "-m" and env.get("TORCHMEG_TEST_NO_ZYGOTE") != "1" else None
+    """`python -m MODULE ARGS` or one of the suite's own scripts (`python tests/X.py ARGS`: the workers
+    the multi-rank tests run) as a fork of the zygote when its environment allows, else a fresh
+    interpreter; stdout/stderr to the two files."""
+    script = cmd[1] if cmd[1].endswith(".py") and os.path.dirname(os.path.abspath(
+        os.path.join(ROOT, cmd[1]))) == os.path.join(ROOT, "tests") else ""
+    forkable = cmd[0] == sys.executable and (cmd[1] == "-m" or script)
+    z = zygote_for(env) if forkable and env.get("TORCHMEG_TEST_NO_ZYGOTE") != "1" else None
     if z is not None:
+        if script:
+            return z.spawn("", cmd[2:], env, out_path, err_path, script=os.path.join(ROOT, script))
         return z.spawn(cmd[2], cmd[3:], env, out_path, err_path)
     with open(out_path, "w") as out, open(err_path, "w") as err:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

@@ -18,9 +18,11 @@ BASE = TINY + ["--training.steps=10", "--training.deterministic=true", "--traini
 
 
 
-@pytest.fixture(scope="module")
-def inductor_cache(tmp_path_factory):
-    return {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path_factory.mktemp("inductor"))}
+# The compiled runs use the suite's one inductor cache (the session's TORCHINDUCTOR_CACHE_DIR, else
+# inductor's default; the trainer keeps a folder per ISA under it), as every other compiled run of the
+# suite does: a kernel one file compiled (same code, same shapes) is not compiled again by another, and
+# the runs share the zygote of every other run (a folder of this file's own was an environment of its
+# own: a server of its own, ~3 s of imports, and one of the others evicted).
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +38,9 @@ def eager(tmp_path_factory):
     # FSDP2 + compile: tests/test_blocks.py (nanoGPT) and tests/test_hf_models.py (three HF
     # families, with recompute) run that composition; the graphs are the same per-block ones.)
 ])
-def test_compiled_matches_eager(name, ranks, local, layout, tmp_path, eager, inductor_cache):
+def test_compiled_matches_eager(name, ranks, local, layout, tmp_path, eager):
     p = run_cli(BASE + [f"--training.local_batch_size={local}", "--compile.enable=true"] + layout, tmp_path,
-                nproc=ranks, env=inductor_cache, timeout=300)
+                nproc=ranks, timeout=300)
     compare(eager, read_metrics(tmp_path), 1e-4)
     assert_compiled(p.stdout)
     # Validation runs under no_grad: one recompile per graph for that is expected; any other
@@ -208,13 +210,14 @@ def test_compile_cache_kept_per_cpu_isa(tmp_path):
     AVX2 (ATEN_CPU_CAPABILITY=avx2, as users' CPUs may): torch 2.13's inductor cache does not key on
     that, and the reused kernels trained NaN from step 1. torchmeg keeps one cache per ISA; the two
     runs agree within the compile tolerance. (On a CPU whose best ISA is AVX2 both runs are alike.)"""
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     args = TINY + ["--training.steps=3", "--compile.enable=true", "--validation.enable=false",
                    "--training.deterministic=true"]
-    # One after the other: the AVX2 run starts with the native run's kernels already in the folder (side
-    # by side, both found it empty and compiled their own, so a cache shared across ISAs passed too).
-    run_cli(args, tmp_path, name="native", env=cache)
-    run_cli(args, tmp_path, name="avx2", env=dict(cache, ATEN_CPU_CAPABILITY="avx2"))
+    # One after the other, in the suite's one cache: the AVX2 run starts with the native run's kernels
+    # already in the folder (side by side, both found it empty and compiled their own, so a cache shared
+    # across ISAs passed too). The native run may find its kernels there from another test (the suite
+    # compiles these shapes elsewhere); the AVX2 run reads only what was compiled under AVX2.
+    run_cli(args, tmp_path, name="native")
+    run_cli(args, tmp_path, name="avx2", env={"ATEN_CPU_CAPABILITY": "avx2"})
     native, avx2 = read_metrics(tmp_path, "native"), read_metrics(tmp_path, "avx2")
     assert all(math.isfinite(r["loss"] or math.nan) for r in avx2), avx2
     compare(native, avx2, 1e-4)
@@ -245,12 +248,11 @@ COMPILE_LAYOUTS = [
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # float8 135 s beside 4 busy processes in a .ci/run (66 quiet), its inductor cache cold
 @pytest.mark.parametrize("name, ranks, layout", COMPILE_LAYOUTS, ids=[x[0] for x in COMPILE_LAYOUTS])
-def test_compile_in_every_layout(name, ranks, layout, tmp_path, inductor_cache):
+def test_compile_in_every_layout(name, ranks, layout, tmp_path):
     args = TINY + ["--training.steps=4", "--training.deterministic=true", "--training.global_batch_size=4",
                    "--validation.steps=1"] + layout
     run_cli(args, tmp_path, nproc=ranks, name="eager", timeout=300)
-    p = run_cli(args + ["--compile.enable=true"], tmp_path, nproc=ranks, name="compiled", env=inductor_cache,
-                timeout=300)
+    p = run_cli(args + ["--compile.enable=true"], tmp_path, nproc=ranks, name="compiled", timeout=300)
     compare(read_metrics(tmp_path, "eager"), read_metrics(tmp_path, "compiled"), 1e-2 if name == "float8" else 1e-4)
     assert "compiled" in p.stdout.split("parallel   ", 1)[1].split("\n")[0], p.stdout[:3000]
     assert_compiled(p.stdout)  # and compiled code ran

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import FP32_PARITY, reference_run, TINY, assert_parity, read_metrics
-from launch import ROOT, run_cli
+from launch import ROOT, launch_ranks, run_cli, run_one
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 from torchmeg.parallel.context import positions, shard_sequence
@@ -45,9 +45,8 @@ def test_128k_recipe_attention_needs_no_local_by_seq_tensor(mode):
     """recipes/llama3_8b_long_context.toml's attention (seq 131072, CP 8, heads 32/8 under TP 4 ->
     8/2 per rank, head dim 128), planned under FakeTensorMode: no op produces a tensor of
     local_len x seq_len elements (one head's mask or score matrix)."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cp_kernel_worker.py"), "planned", mode,
-                        "8", "131072", "8", "2", "128"], cwd=ROOT, capture_output=True, text=True, timeout=240,
-                       env=dict(os.environ, PYTHONPATH=ROOT))
+    p = run_one([sys.executable, os.path.join(ROOT, "tests", "cp_kernel_worker.py"), "planned", mode,
+                 "8", "131072", "8", "2", "128"], dict(os.environ), 240)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r["largest"] < r["local_x_seq"] // 8, r  # the largest is K/V-sized, not mask-sized
@@ -92,12 +91,13 @@ def test_cp_matches_single_process(name, ranks, local, layout, model, tmp_path, 
 
 
 def _kernel_run(mode, cp, L, H, K, D=8):
-    """tests/cp_kernel_worker.py on cp ranks: per-rank errors vs one device, work and bytes."""
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}",
-           os.path.join(ROOT, "tests", "cp_kernel_worker.py"), mode, str(cp), str(L), str(H), str(K), str(D)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
+    """tests/cp_kernel_worker.py on cp ranks: per-rank errors vs one device, work and bytes (rank 0
+    prints every rank's row). The ranks are forked from the suite's zygote, not started by torchrun:
+    the worker is the subject, not the launcher (torchrun's agent is tested in test_multinode)."""
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "cp_kernel_worker.py"), mode, str(cp), str(L), str(H), str(K),
+           str(D)]
+    p = launch_ranks(cmd, cp, dict(os.environ), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:] + getattr(p, "rank_tails", "")
     return [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
 
 

@@ -3,12 +3,11 @@ exactly those of the one-process init (values are a function of seed, FQN and el
 import pytest
 import json
 import os
-import subprocess
 import sys
 
 import torch
 
-from launch import ROOT
+from launch import ROOT, run_one
 from torchmeg.models.init import Constant, Normal, fill_block_, open_uniform, standard_normal
 
 
@@ -68,8 +67,7 @@ def test_each_rank_fills_only_its_shards_at_world_8():
     GPT-2 and MoE): every local block equals the one-process init's block, and no full-size tensor
     of a large sharded parameter is ever created. The old full-draw path, run as a control, is seen
     to create them (so the check can fail)."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "init_shard_worker.py"), "8", "5"],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    p = run_one([sys.executable, os.path.join(ROOT, "tests", "init_shard_worker.py"), "8", "5"], dict(os.environ), 180)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 6
@@ -85,8 +83,7 @@ def test_every_shipped_flavor_initialises_finite_at_its_layout():
     of 512; flavors no recipe ships: FSDP 8), through the trainer's build on a fake process group:
     finite, and each parameter's sample within 5 standard errors of its rule's mean and std
     (tests/flavor_init_worker.py)."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "flavor_init_worker.py")],
-                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    p = run_one([sys.executable, os.path.join(ROOT, "tests", "flavor_init_worker.py")], dict(os.environ), 240)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = {r["case"]: r for r in (json.loads(x) for x in p.stdout.splitlines() if x.startswith("{"))}
     from torchmeg.models import get_spec

@@ -15,6 +15,7 @@ Each trace still builds its own fake world (torchmeg.plan.fake_world), as in a c
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 from multiprocessing.connection import wait
 from typing import Callable
@@ -50,7 +51,15 @@ class _Child:
         ctx = mp.get_context("fork")
         self.conn, theirs = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(theirs, trace), daemon=True)
-        self.proc.start()
+        # The child inherits the parent's objects (torch's and the model's, ~300,000) frozen: its
+        # collections, which a trace's allocations trigger, skip them and leave their pages shared
+        # (CPython's advice for fork without exec). The parent unfreezes at once, so what it drops
+        # later (a search plans many layouts) is still collected.
+        gc.freeze()
+        try:
+            self.proc.start()
+        finally:
+            gc.unfreeze()
         theirs.close()
         self.key, self.job, self.traced = key, None, 0
 
