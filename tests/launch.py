@@ -210,10 +210,12 @@ def launch_ranks(cmd: list[str], nproc: int, env: dict, timeout: int) -> subproc
     return done
 
 
-def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tuple[dict, list[dict]]:
+def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None, stderr: dict | None = None
+                     ) -> tuple[dict, list[dict]]:
     """`python -m torchmeg.plan --world W COMMON` planned while the same recipe runs for real on W gloo
     ranks (`plan --measure`, step 2 under the planner's trackers) -> (the plan's JSON, the measured
-    JSON of each rank in `ranks`, by default of each rank the plan lists)."""
+    JSON of each rank in `ranks`, by default of each rank the plan lists). `stderr`, when given, gets
+    the planner's ("plan") and the ranks' ("ranks")."""
     # (the planner forked from the zygote, as the ranks are: not ~4 s of imports of its own)
     logs = tempfile.mkdtemp(prefix="torchmeg-plan-")
     try:
@@ -234,6 +236,8 @@ def plan_and_measure(common: list[str], world: int, tmp_path, ranks=None) -> tup
         shutil.rmtree(logs, ignore_errors=True)
     assert run.returncode == 0, run.stderr[-3000:]
     assert planner.returncode == 0, err[-3000:]
+    if stderr is not None:
+        stderr.update(plan=err, ranks=run.stderr)
     plan = json.load(open(tmp_path / "plan.json"))
     ranks = [r["rank"] for r in plan["ranks"]] if ranks is None else ranks
     return plan, [json.load(open(tmp_path / f"m.rank{r}")) for r in ranks]

@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+import warnings
 
 import torch.distributed as dist
 
@@ -245,7 +246,13 @@ def _trace(job: tuple[int, int, int]) -> dict:
     # real run's advice, printed by the trainer; a plan printing it per trace buries its table)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
-        with sharding_propagation_as_in_eager(), balanced_routing():
+        with sharding_propagation_as_in_eager(), balanced_routing(), warnings.catch_warnings():
+            # (FSDP2's warning that a wrapped module returned a view: on fake tensors a functional
+            # collective ends in wait_tensor, an alias of its input (torch's _maybe_wrap_tensor while
+            # tracing), so the expert dispatch's all-to-all output reads as a view; an eager run gets a
+            # tensor of its own and no warning. A plan printing it per trace buries its table.)
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                                    category=UserWarning)
             mesh, ep_mesh = dims.build_mesh("cpu"), dims.build_ep_mesh("cpu")
             labels = mesh_group_labels(mesh, *([ep_mesh] if ep_mesh is not None else []))
             if st is None:
