@@ -11,8 +11,9 @@ sends a run to a server started with the same environment but for keys read at r
 (`RUNTIME_KEYS`): one server per such environment (a few at most; past that, fresh interpreters).
 
 Protocol, one Unix-socket connection per run: the client sends one JSON line {module or script, args,
-env, cwd, stdout, stderr} (`python -m MODULE ARGS` or `python SCRIPT ARGS`); the server answers {"pid": N} when the child is forked and {"rc": R} when it
-has exited (R < 0: killed by signal -R, as subprocess reports it).
+env, cwd, stdout, stderr} (`python -m MODULE ARGS` or `python SCRIPT ARGS`); the server answers
+{"pid": N} when the child is forked and {"rc": R} when it has exited (R < 0: killed by signal -R, as
+subprocess reports it).
 
     python tests/zygote.py SOCKET_PATH
 """
