@@ -160,13 +160,13 @@ def start(cmd: list[str], env: dict, out_path: str, err_path: str):
     """`python -m MODULE ARGS` or one of the suite's own scripts (`python tests/X.py ARGS`: the workers
     the multi-rank tests run) as a fork of the zygote when its environment allows, else a fresh
     interpreter; stdout/stderr to the two files."""
-    script = cmd[1] if cmd[1].endswith(".py") and os.path.dirname(os.path.abspath(
-        os.path.join(ROOT, cmd[1]))) == os.path.join(ROOT, "tests") else ""
+    path = os.path.abspath(os.path.join(ROOT, cmd[1]))  # (a path relative to the checkout, or absolute)
+    script = path if path.endswith(".py") and os.path.dirname(path) == os.path.join(ROOT, "tests") else ""
     forkable = cmd[0] == sys.executable and (cmd[1] == "-m" or script)
     z = zygote_for(env) if forkable and env.get("TORCHMEG_TEST_NO_ZYGOTE") != "1" else None
     if z is not None:
         if script:
-            return z.spawn("", cmd[2:], env, out_path, err_path, script=os.path.join(ROOT, script))
+            return z.spawn("", cmd[2:], env, out_path, err_path, script=script)
         return z.spawn(cmd[2], cmd[3:], env, out_path, err_path)
     with open(out_path, "w") as out, open(err_path, "w") as err:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

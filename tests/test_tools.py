@@ -8,6 +8,9 @@ import sys
 
 from launch import ROOT, own_tmp
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from gpu_check import MODEL_CPU  # noqa: E402  (tools/, put on the path above)
+
 
 @pytest.mark.slow
 def test_bench_workers_start_under_a_deep_temporary_folder(tmp_path):
@@ -30,8 +33,7 @@ def test_bench_workers_start_under_a_deep_temporary_folder(tmp_path):
 def test_bench_writes_reports(tmp_path):
     # the GPU call's dry-run model (tools/gpu_check.py --cpu benches the same four settings on it): of
     # the two tests, the one that runs second finds the compiled kernels in the suite's inductor cache
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    from gpu_check import MODEL_CPU as model  # (lazy: tools/ is not a package)
+    model = MODEL_CPU
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     p = subprocess.run([sys.executable, "tools/bench.py", "--config", "recipes/debug_llama.toml", "--compile", "off,on",
