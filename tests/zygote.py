@@ -108,6 +108,11 @@ def serve(path: str) -> None:
     import torch.distributed  # noqa: F401
     import torchmeg.train.cli  # noqa: F401
     import torchmeg.train.trainer  # noqa: F401
+    # And what a compiled run imports at its first torch.compile (~1 s): inductor's front end. It starts
+    # no thread (a fork server must hold none), reads its settings from the environment, which is this
+    # server's identity (import_key), and finds its cache folder at use, after the child has set it.
+    # (transformers, which the HF workers import, is not here: its import starts a thread.)
+    import torch._inductor.compile_fx  # noqa: F401
     # What the imports made lives as long as any child: moved out of the collector's sight (CPython's
     # advice for a server that forks without exec), so a child's full collections (the trainer's own at
     # its end, the automatic ones) skip ~300,000 objects (~0.2 s each time) and leave their pages shared.
