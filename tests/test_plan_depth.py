@@ -218,7 +218,7 @@ def test_ranks_traced_as_one_hold_the_same_layers(name, recipe, world, args, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 156 s in the last .ci/run (the search's pool of 2 beside the other worker)
+@pytest.mark.timeout(600)  # 72-79 s in the last .ci/runs at 4 blocks (the search's pool of 2 beside the other worker)
 def test_search_ranks_every_layout_and_says_why_each_lost(tmp_path):
     """--search over every candidate layout of the debug model on 2 ranks: each one is planned or ruled
     out (never silently dropped); the ranking is by predicted step and each below the best says why it
@@ -226,10 +226,11 @@ def test_search_ranks_every_layout_and_says_why_each_lost(tmp_path):
     numbers are its own plan's (the pooled, shared traces change nothing)."""
     from torchmeg.plan.search import candidates, describe
     recipe = os.path.join(ROOT, "recipes", "debug_llama.toml")
-    # debug blocks at 8B widths (the trace's cost follows the ops, not the widths) and 8k tokens: some
+    # two debug blocks at 8B widths (the trace's cost follows the ops, not the widths: 4 blocks at 8k
+    # tokens made the same 42 layouts and 32 traces in twice the time, 53 CPU-s) and 16k tokens: some
     # layouts do not fit an 80 GB part, so the rule that rules layouts out is exercised
-    args = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=4",
-            "--data.seq_len=8192", "--model.max_seq_len=8192", "--training.local_batch_size=32",
+    args = ["--model.dim=4096", "--model.n_heads=32", "--model.n_kv_heads=8", "--model.n_layers=2",
+            "--data.seq_len=16384", "--model.max_seq_len=16384", "--training.local_batch_size=32",
             "--data.document_masking=false"]
     out = tmp_path / "search.json"
     p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", recipe, "--world", "2", "--search", "--top", "50",
