@@ -31,8 +31,9 @@ def test_bench_workers_start_under_a_deep_temporary_folder(tmp_path):
 
 @pytest.mark.slow
 def test_bench_writes_reports(tmp_path):
-    # the GPU call's dry-run model (tools/gpu_check.py --cpu benches the same four settings on it): of
-    # the two tests, the one that runs second finds the compiled kernels in the suite's inductor cache
+    # the GPU call's dry-run model (tools/gpu_check.py --cpu benches two of these settings on it, eager
+    # and compiled at recompute full): of the two tests, the one that runs second finds that compiled
+    # setting's kernels in the suite's inductor cache
     model = MODEL_CPU
     tmp = tmp_path / "tmp"
     tmp.mkdir()

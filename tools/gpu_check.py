@@ -23,7 +23,8 @@ step cut short by its time keeps the settings it measured, status "partial"):
                     CPU while the GPU steps run)
   gpu_suite         pytest tests/gpu, every test's outcome
 
---cpu runs each step at toy size on the CPU (fp32, float8 emulated, eager float8, no Triton), and
+--cpu runs each step at toy size on the CPU (fp32, float8 emulated, eager float8, no Triton, compile_vs_eager
+at recompute full only), and
 reports the steps only a GPU can run (gpu_suite) as skipped by name: so the GPU call is not the
 script's first run (tests/test_gpu_check.py runs it in the suite). Writes <out>/gpu_check.json and
 <out>/gpu_check.md (the table docs/gpu-results.md holds) and <out>/gpu_check.log (each step's
@@ -56,7 +57,9 @@ MODEL_GPU = ["--model.flavor=1B", "--data.seq_len=2048", "--training.local_batch
 MODEL_CPU = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2",
              "--data.seq_len=64", "--training.local_batch_size=2", "--training.device=cpu", "--float8.emulate=true"]
 # the two bench steps' settings, as tools/bench.py takes them (its settings_from names the rows)
-BENCH = {"compile_vs_eager": lambda cpu: dict(compile="off,on", ac="none,full", float8="off"),
+# (--cpu: recompute full only, eager and compiled: the same code at toy size with one compile, not two;
+# tests/test_tools.py benches all four settings on the same model, and their kernels are shared)
+BENCH = {"compile_vs_eager": lambda cpu: dict(compile="off,on", ac="full" if cpu else "none,full", float8="off"),
          # float8's speed is the compiled program's (torchao's casts fuse there); on the CPU emulated, eager
          "float8": lambda cpu: dict(compile="off" if cpu else "on", ac="none", float8="off,tensorwise,rowwise")}
 
