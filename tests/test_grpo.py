@@ -186,17 +186,21 @@ def test_advantages_as_trl_computes_them(scale):
 
 # ---- runs -------------------------------------------------------------------------------------------
 
-def _rewards_module(tmp_path):
-    """A user's reward module, written as for TRL: a function of completions and a column."""
-    path = tmp_path / "my_rewards.py"
-    path.write_text(
+def _rewards_env(tmp_path) -> dict:
+    """PYTHONPATH with a user's reward module, written as for TRL: a function of completions and a
+    column. One folder for the test run (beside the tests' own, in pytest's base folder), not one per
+    test: an environment of its own is a fork server of its own (tests/zygote.py, ~4 s of imports),
+    and a folder per test started 11 of them in this file."""
+    folder = tmp_path.parent / "grpo_user_rewards"
+    folder.mkdir(exist_ok=True)
+    (folder / "my_rewards.py").write_text(
         "def length(completions, completion_ids, **kwargs):\n"
         "    return [min(len(i), 16) / 16 if len(i) % 5 else None for i in completion_ids]\n"
         "def text(completions, **kwargs):\n"
         "    return ['good' for _ in completions]\n"
         "def boom(completions, **kwargs):\n"
         "    raise KeyError('answer')\n")
-    return str(tmp_path)
+    return {"PYTHONPATH": str(folder) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 GRPO = [a for a in TINY if not a.startswith(("--data.seq_len", "--validation", "--training.local_batch_size"))] + [
@@ -217,8 +221,7 @@ def _completions(d, name="run"):
 
 
 def _launch(tmp_path, extra, nproc=1, name="run"):
-    env = {"PYTHONPATH": _rewards_module(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return run_cli(GRPO + extra, tmp_path, nproc=nproc, name=name, env=env, timeout=180)
+    return run_cli(GRPO + extra, tmp_path, nproc=nproc, name=name, env=_rewards_env(tmp_path), timeout=180)
 
 
 def _run(tmp_path, extra, nproc=1, name="run"):
@@ -309,7 +312,7 @@ def test_rollouts_are_each_sequence_generated_alone(tmp_path):
 def test_bad_input_each_one_line(tmp_path):
     """Unknown reward function, a reward returning a string, one that raises, a prompt longer than the
     context, an empty prompt set: exit 2 with one line naming the key, function or record."""
-    env = {"PYTHONPATH": _rewards_module(tmp_path)}
+    env = _rewards_env(tmp_path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     long = tmp_path / "long.jsonl"
