@@ -83,9 +83,9 @@ def test_a_timed_out_test_leaves_no_process_and_the_quick_tier_launches_none(tmp
     env = dict(os.environ, HYGIENE_TOKEN=token, HYGIENE_STARTED=str(started), HYGIENE_COUNT=str(count),
                PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), ROOT]), TORCHMEG_TEST_TIMELINE=str(timeline))
     env.pop("PYTEST_ADDOPTS", None)  # (the outer session's own options, e.g. a plugin on its PYTHONPATH: not the inner's)
-    # The timeout covers the test's call only: the zygote starts (imports) in a fixture before it. 4 s: each
-    # stuck run is started and has started its child well inside it (a fork of that zygote; a fresh
-    # interpreter importing no torch, ~0.1 s); the rest of the bound is the suite's time spent waiting.
+    # The timeout covers the test's call only: the zygote starts (imports) in a fixture before it. 4 s:
+    # each stuck run has started, and started its child, well inside it (a fork of that zygote; a fresh
+    # interpreter that imports no torch: ~0.1 s); a longer bound is only time the suite waits.
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                         "--timeout=4", "-o", "timeout_func_only=true", "--rootdir", str(tmp_path),
                         str(tmp_path / "test_inner.py")], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -23,12 +23,12 @@ step cut short by its time keeps the settings it measured, status "partial"):
                     CPU while the GPU steps run)
   gpu_suite         pytest tests/gpu, every test's outcome
 
---cpu runs each step at toy size on the CPU (fp32, float8 emulated, eager float8, no Triton, compile_vs_eager
-at recompute full only), and
-reports the steps only a GPU can run (gpu_suite) as skipped by name: so the GPU call is not the
-script's first run (tests/test_gpu_check.py runs it in the suite). Writes <out>/gpu_check.json and
-<out>/gpu_check.md (the table docs/gpu-results.md holds) and <out>/gpu_check.log (each step's
-command and the end of its output); the runs' own files go to a temporary folder.
+--cpu runs each step at toy size on the CPU (fp32, float8 emulated, eager float8, no Triton,
+compile_vs_eager at recompute full only), and reports the steps only a GPU can run (gpu_suite) as
+skipped by name: so the GPU call is not the script's first run (tests/test_gpu_check.py runs it in the
+suite). Writes <out>/gpu_check.json and <out>/gpu_check.md (the table docs/gpu-results.md holds) and
+<out>/gpu_check.log (each step's command and the end of its output); the runs' own files go to a
+temporary folder.
 """
 from __future__ import annotations
 
