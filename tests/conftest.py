@@ -137,6 +137,17 @@ def shared_folder(tmp_path_factory, name: str):
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name  # (xdist or not)
 
 
+def user_module(tmp_path, filename: str, text: str) -> str:
+    """A user's module (a reward function file) written into one folder per worker for the test run
+    (pytest's base folder, tmp_path's parent), not the test's own: the folder goes on the runs'
+    PYTHONPATH, which is part of a fork server's identity (tests/zygote.py: Python reads it at start),
+    so one folder per test started one server, ~4 s of imports, per test. -> the folder."""
+    folder = tmp_path.parent / "user_modules"
+    folder.mkdir(exist_ok=True)
+    (folder / filename).write_text(text)
+    return str(folder)
+
+
 @pytest.fixture(scope="session")
 def plan_traces(tmp_path_factory):
     """A plan.trace_cache for this test run: the published rows that trace one program (eager and

@@ -77,12 +77,8 @@ def test_a_bench_cut_by_its_time_keeps_the_settings_it_measured(tmp_path, monkey
 def test_a_gpu_benches_every_setting_and_the_dry_run_two():
     """The settings each bench step passes tools/bench.py, by the names bench gives them: on a GPU
     compile x recompute and compiled float8's recipes; the CPU dry run one compile (recompute full)."""
-    import argparse
-    from bench import settings_from  # (tools/, on the path above)
-
     def names(step, cpu):
-        return [n for n, _ in settings_from(argparse.Namespace(**gpu_check.BENCH[step](cpu), batch="",
-                                                              precision="fp32" if cpu else "bf16"))]
+        return [n for n, _ in gpu_check.bench_settings(step, cpu, "fp32" if cpu else "bf16")]
     assert names("compile_vs_eager", False) == ["eager bf16", "eager ac=full bf16", "compiled bf16",
                                                 "compiled ac=full bf16"]
     assert names("float8", False) == ["compiled bf16", "compiled float8 tensorwise bf16", "compiled float8 rowwise bf16"]

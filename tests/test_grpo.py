@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, assert_tensor_close, read_metrics
+from conftest import FP32_PARITY, TINY, assert_close, assert_parity, assert_resumed, assert_tensor_close, read_metrics, user_module
 from launch import run_cli
 from torchmeg.kernels.fused_ce import IGNORE
 from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows, advantages, importance_ratio
@@ -188,19 +188,15 @@ def test_advantages_as_trl_computes_them(scale):
 
 def _rewards_env(tmp_path) -> dict:
     """PYTHONPATH with a user's reward module, written as for TRL: a function of completions and a
-    column. One folder for the test run (beside the tests' own, in pytest's base folder), not one per
-    test: an environment of its own is a fork server of its own (tests/zygote.py, ~4 s of imports),
-    and a folder per test started 11 of them in this file."""
-    folder = tmp_path.parent / "grpo_user_rewards"
-    folder.mkdir(exist_ok=True)
-    (folder / "my_rewards.py").write_text(
-        "def length(completions, completion_ids, **kwargs):\n"
-        "    return [min(len(i), 16) / 16 if len(i) % 5 else None for i in completion_ids]\n"
-        "def text(completions, **kwargs):\n"
-        "    return ['good' for _ in completions]\n"
-        "def boom(completions, **kwargs):\n"
-        "    raise KeyError('answer')\n")
-    return {"PYTHONPATH": str(folder) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    column (conftest.user_module: one folder for the test run, so one fork server for these runs)."""
+    folder = user_module(tmp_path, "my_rewards.py",
+                         "def length(completions, completion_ids, **kwargs):\n"
+                         "    return [min(len(i), 16) / 16 if len(i) % 5 else None for i in completion_ids]\n"
+                         "def text(completions, **kwargs):\n"
+                         "    return ['good' for _ in completions]\n"
+                         "def boom(completions, **kwargs):\n"
+                         "    raise KeyError('answer')\n")
+    return {"PYTHONPATH": folder + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 GRPO = [a for a in TINY if not a.startswith(("--data.seq_len", "--validation", "--training.local_batch_size"))] + [

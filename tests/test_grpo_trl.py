@@ -34,7 +34,7 @@ import os
 import pytest
 import torch
 
-from conftest import assert_close, byte_level_bpe, read_metrics
+from conftest import assert_close, byte_level_bpe, read_metrics, user_module
 from launch import run_cli
 
 pytestmark = pytest.mark.slow
@@ -89,11 +89,7 @@ def _torchmeg(tmp_path, folder, keys: dict) -> tuple[list[dict], list[dict], dic
     name = "torchmeg"
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    # (the reward module in one folder for the test run, not one per test: one PYTHONPATH, so one fork
-    # server for this file's runs, where a folder per test started one, ~4 s of imports, per case)
-    rewards = tmp_path.parent / "grpo_trl_user_rewards"
-    rewards.mkdir(exist_ok=True)
-    (rewards / "trl_rewards.py").write_text(REWARDS)
+    rewards = user_module(tmp_path, "trl_rewards.py", REWARDS)  # (one folder for the test run: one fork server)
     args = ["--job.seed=0", "--model.name=hf", f"--model.hf_config={folder}", "--model.vocab_size=320",
             f"--checkpoint.initial_load_hf={folder}", f"--data.tokenizer={folder}/tokenizer.json", f"--data.dataset={data}",
             "--data.seq_len=64", "--training.objective=grpo", "--training.steps=2",
@@ -107,7 +103,7 @@ def _torchmeg(tmp_path, folder, keys: dict) -> tuple[list[dict], list[dict], dic
             "--validation.enable=false", "--metrics.log_freq=1", "--metrics.enable_tensorboard=false",
             "--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.export_hf=false"]
     args += [f"--grpo.{k}={v}" for k, v in {"beta": 0.0, **keys}.items()]  # (TRL's default beta; its keys' names)
-    env = {"PYTHONPATH": str(rewards) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {"PYTHONPATH": rewards + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run_cli(args, tmp_path, name=name, env=env, timeout=180)
     metrics = read_metrics(tmp_path, name)
     with open(tmp_path / name / "completions.jsonl") as fh:
@@ -142,7 +138,7 @@ def _trl(tmp_path, folder, rollouts, keys: dict, monkeypatch) -> tuple[list[dict
     # with the shuffle off, TRL's microbatch k holds the k-th prompt's group, as torchmeg's.
     monkeypatch.setattr(grpo_trainer, "shuffle_sequence_dict", lambda batch: batch)
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    monkeypatch.syspath_prepend(str(tmp_path.parent / "grpo_trl_user_rewards"))  # (written by _torchmeg)
+    monkeypatch.syspath_prepend(user_module(tmp_path, "trl_rewards.py", REWARDS))
     distinct = importlib.import_module("trl_rewards").distinct
     tokenizer = AutoTokenizer.from_pretrained(folder)
     groups = collections.defaultdict(list)

@@ -175,13 +175,18 @@ def serving(check: Check, timeout: float) -> dict:
             "profile": prof, "rows": rows}
 
 
+def bench_settings(name: str, cpu: bool, precision: str) -> list[tuple[str, list[str]]]:
+    """A bench step's settings as tools/bench.py names them, each with its overrides."""
+    from bench import settings_from  # lazy: tools/bench.py, beside this file
+    return settings_from(argparse.Namespace(**BENCH[name](cpu), precision=precision, batch=""))
+
+
 def plan_settings(check: Check) -> dict[str, list[str]]:
     """The bench steps' settings the planner predicts: tools/bench.py's own names and overrides, so a
     plan meets its measured row by name (float8's bf16 baseline is a compile_vs_eager row again)."""
-    from bench import settings_from  # lazy: tools/bench.py, beside this file
     out = {}
     for name in BENCH:
-        out.update(settings_from(argparse.Namespace(**BENCH[name](check.cpu), precision=check.precision, batch="")))
+        out.update(bench_settings(name, check.cpu, check.precision))
     if check.cpu:  # toy size: two settings show the plumbing
         out = dict(list(out.items())[:1] + list(out.items())[-1:])
     return out
