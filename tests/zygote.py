@@ -102,17 +102,36 @@ def _child(req: dict, listener: socket.socket, conns) -> None:
         os._exit(code)
 
 
+def _forks_can_use_cuda() -> bool:
+    """Whether a fork of this process could start CUDA: torch marks a fork "bad" when its parent has
+    counted devices through the CUDA runtime or initialized CUDA (a flag `torch.cuda.is_initialized()`
+    does not show for the first). Asked of a fork that exits at once; always true on a CPU build."""
+    import torch
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3 if torch.cuda._is_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
 def serve(path: str) -> None:
     # What every run imports; done before the first fork so each child starts with it in memory.
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     import torchmeg.train.cli  # noqa: F401
     import torchmeg.train.trainer  # noqa: F401
-    # And what a compiled run imports at its first torch.compile (~1 s): inductor's front end. It starts
-    # no thread (a fork server must hold none), reads its settings from the environment, which is this
-    # server's identity (import_key), and finds its cache folder at use, after the child has set it.
-    # (transformers, which the HF workers import, is not here: its import starts a thread.)
-    import torch._inductor.compile_fx  # noqa: F401
+    # And what a compiled run imports at its first torch.compile (~1 s): inductor's front end. On a CPU
+    # build it starts no thread (a fork server must hold none), reads its settings from the environment,
+    # which is this server's identity (import_key), and finds its cache folder at use, after the child
+    # has set it. (transformers, which the HF workers import, is not here: its import starts a thread.)
+    # Not on a GPU build of torch: there the import asks `torch.cuda.is_available()`
+    # (torch/_inductor/runtime/benchmarking.py), which counts devices through the CUDA runtime, and a fork
+    # of a process that did cannot use CUDA ("Cannot re-initialize CUDA in forked subprocess": the GPU
+    # suite on a lent H200, torch 2.11, 2026-11-30).
+    if not (torch.version.cuda or torch.version.hip):
+        import torch._inductor.compile_fx  # noqa: F401
+    if not _forks_can_use_cuda():  # any import that did so, named here rather than in every GPU run
+        sys.exit("tests/zygote.py: an import touched CUDA (a fork of this server could not use the GPU); "
+                 "leave that import to the runs, or set TORCHMEG_TEST_NO_ZYGOTE=1")
     # What the imports made lives as long as any child: moved out of the collector's sight (CPython's
     # advice for a server that forks without exec), so a child's full collections (the trainer's own at
     # its end, the automatic ones) skip ~300,000 objects (~0.2 s each time) and leave their pages shared.
