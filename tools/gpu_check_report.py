@@ -21,8 +21,10 @@ def environment(cpu: bool) -> dict:
     import torch  # lazy: the caller decides when torch loads (after its arguments are checked)
     cuda = torch.cuda.is_available() and not cpu
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or "unknown"
+        # --dirty: the tree that ran differs from the commit (a lent machine's copy of the working tree
+        # came with the session's first commit and the files of its last edit, 2026-11-30)
+        commit = subprocess.run(["git", "describe", "--always", "--abbrev=7", "--dirty=+changes"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown (no git here)"
     return {"device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()}, "
