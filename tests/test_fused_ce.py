@@ -153,7 +153,7 @@ def test_triton_kernel_equals_torch_under_the_interpreter():
     loss and its gradient over the logits equal the torch path's, and the whole fused loss equals
     torch's head + cross-entropy (fp32: 1e-5 loss, 1e-6 gradients, as the torch path's test).
     Rows span several kernel blocks (vocab 2,500 > BLOCK 1,024) and include ignored targets."""
-    pytest.importorskip("triton")  # a dependency on Linux x86-64 (pyproject); absent elsewhere
+    pytest.importorskip("triton")  # the test extra's, on Linux x86-64 (pyproject); absent elsewhere
     script = textwrap.dedent("""
         import json, torch, torch.nn.functional as F
         from torchmeg.kernels.fused_ce import IGNORE, _ce_rows_torch, _ce_rows_triton, linear_cross_entropy
