@@ -224,12 +224,14 @@ def planner(check: Check, timeout: float) -> dict:
         p, m = check.plans.get(name, {"error": "not planned in time"}), measured.get(name)
         row = {"setting": name, **p}
         if m:
-            row.update(measured_step_ms=m["median_step_ms"], measured_mfu=m["mfu"], measured_memory_gib=m["memory_gib"])
+            row.update(measured_step_ms=m["median_step_ms"], measured_mfu=m["mfu"], measured_memory_gib=m["memory_gib"],
+                       measured_allocated_gib=m.get("memory_allocated_gib"))
             if "predicted_step_ms" in p:
                 row["measured_over_predicted_step"] = round(m["median_step_ms"] / p["predicted_step_ms"], 3)
         rows.append(row)
     note = ("CPU dry run: the predictions are for the named GPU, the measurements this CPU's (not comparable)"
-            if check.cpu else "measured on this GPU by compile_vs_eager / float8; memory: the allocator's peak")
+            if check.cpu else ("measured on this GPU by compile_vs_eager / float8; memory: the allocator's peak (reserved), "
+                                "and its tensors' (allocated): a plan counts tensors' bytes"))
     return {"note": note, "rows": rows}
 
 

@@ -34,7 +34,7 @@ def _ops(path):
 def test_bf16_fsdp_trains_in_bf16(tmp_path):
     """bf16 through FSDP2's policy on the GPU(s): every matmul and attention op in step 1 takes bf16
     operands (recorded, not assumed), the loss falls, memory is the CUDA allocator's, MFU is
-    against the datasheet peak (0 < mfu < 1)."""
+    against the datasheet peak (0 < mfu < 1), and the tensors' peak is logged beside it, within it."""
     n = min(2, N_GPU)
     run_cli(RECIPE + ["--training.steps=40", "--training.mixed_precision=bf16",
                       f"--training.local_batch_size={8 // n}"], tmp_path, nproc=n, timeout=600,
@@ -44,6 +44,7 @@ def test_bf16_fsdp_trains_in_bf16(tmp_path):
     rows = read_metrics(tmp_path)
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert all(0 < r["mfu"] < 1 and r["memory_gib"] > 0 for r in rows[1:])
+    assert all(0 < r["memory_allocated_gib"] <= r["memory_gib"] for r in rows), rows[-1]
 
 
 @fp8_gpu

@@ -14,6 +14,19 @@ import resource
 import torch
 
 
+def allocated_peak_gib(device: torch.device) -> float | None:
+    """On a GPU, the peak of the bytes its tensors held (`memory_gib` is what the caching allocator
+    reserved: that, plus the blocks it cached and split); None elsewhere. The two apart say how much of
+    a rank's peak is fragmentation, which a plan (tensors' bytes) compares with the first."""
+    return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
+
+
+def memory_fields(device: torch.device) -> dict:
+    """A logged step's memory: `memory_gib`, and on a GPU `memory_allocated_gib` beside it."""
+    allocated = allocated_peak_gib(device)
+    return {"memory_gib": peak_memory_gib(device), **({} if allocated is None else {"memory_allocated_gib": allocated})}
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this rank: CUDA allocator peak on GPU, the process high-water mark on CPU."""
     if device.type == "cuda":

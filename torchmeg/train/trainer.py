@@ -30,7 +30,7 @@ from torchmeg.parallel.float8 import precompute_scales
 from torchmeg.checkpoint.export import export_hf
 from torchmeg.checkpoint.hf_files import load_initial_hf
 from torchmeg.config.layout import Layout
-from torchmeg.observe.metrics import MetricsLogger, format_line, model_state_bytes, peak_memory_gib
+from torchmeg.observe.metrics import MetricsLogger, format_line, memory_fields, model_state_bytes
 from torchmeg.models.count import flops_per_token
 from torchmeg.observe.op_record import OpRecorder, write as write_op_record
 from torchmeg.train.optim import build_lr_scheduler, build_optimizer, clip_grads, describe_groups, grad_norm
@@ -331,7 +331,7 @@ class Trainer:
             self.peak = repair_peak(tflops * 1e12, self._dtype, cache_dir(self.cfg))
             self._peak_repaired = True
         row = {"step": step, "loss": loss, "grad_norm": gn, "lr": lr, "tokens_per_sec": tps, "tflops": tflops,
-               "mfu": tflops * 1e12 / self.peak, "memory_gib": peak_memory_gib(self.device),
+               "mfu": tflops * 1e12 / self.peak, **memory_fields(self.device),
                "elapsed_ms": 1000 * window_t / window_steps}
         mem = torch.tensor([row["memory_gib"]], dtype=torch.float64)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)  # the worst rank is the one that OOMs
