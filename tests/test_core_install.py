@@ -39,16 +39,21 @@ def ok(p: subprocess.CompletedProcess) -> str:
 
 
 def test_the_emulated_core_install_hides_every_extra(tmp_path):
-    """The emulation itself: the extras' packages (and what only they bring) are not found, while
-    what torchmeg requires is; a test of the jobs below means nothing if this fails."""
+    """The emulation itself: the extras' packages (and what only they bring: triton, the test extra's)
+    are not found, while what torchmeg requires is, a core package's own vendored copies included
+    (torch's cpp_extension, which inductor's CPU compile imports, loads setuptools' more_itertools);
+    a test of the jobs below means nothing if this fails."""
     probe = ("import importlib.util as u, json; print(json.dumps({m: u.find_spec(m) is not None for m in "
              "['prometheus_client', 'fastapi', 'uvicorn', 'starlette', 'pydantic', 'pyarrow', 'transformers',"
-             " 'trl', 'peft', 'openai', 'matplotlib', 'torch', 'torchao', 'torchdata', 'tokenizers',"
-             " 'safetensors', 'numpy', 'tensorboard', 'jinja2']}))")
-    seen = json.loads(ok(core(["-c", probe], tmp_path)).strip().splitlines()[-1])
+             " 'trl', 'peft', 'openai', 'matplotlib', 'triton', 'torch', 'torchao', 'torchdata', 'tokenizers',"
+             " 'safetensors', 'numpy', 'tensorboard', 'jinja2']}))\n"
+             "import torch.utils.cpp_extension, more_itertools; print(more_itertools.__file__)")
+    lines = ok(core(["-c", probe], tmp_path)).strip().splitlines()
+    seen = json.loads(lines[-2])
     hidden = {m for m, found in seen.items() if not found}
     assert hidden == {"prometheus_client", "fastapi", "uvicorn", "starlette", "pydantic", "pyarrow", "transformers",
-                      "trl", "peft", "openai", "matplotlib"}, seen
+                      "trl", "peft", "openai", "matplotlib", "triton"}, seen
+    assert os.path.join("setuptools", "_vendor") in lines[-1], lines[-1]  # (setuptools' copy, not the venv's)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import os
 import sys
 
 if os.environ.get("TORCHMEG_CORE_ONLY") == "1":
+    import importlib.machinery
     import importlib.metadata as md
     import re
 
@@ -41,18 +42,39 @@ if os.environ.get("TORCHMEG_CORE_ONLY") == "1":
     for top, names in md.packages_distributions().items():
         owners[top] = {_norm(n) for n in names}
     HIDDEN = frozenset(top for top, names in owners.items() if not names & core and top not in sys.stdlib_module_names)
+    CORE_TOPS = frozenset(top for top, names in owners.items() if names & core)
+
+    def _inside_core(entries):
+        """The path entries inside a core package's own folder: setuptools puts its vendored copies
+        (setuptools/_vendor: more_itertools, jaraco, ...) on sys.path, and a core install finds a
+        hidden name there (torch's cpp_extension, which inductor's CPU compile imports, needs them)."""
+        out = []
+        for entry in entries or ():
+            parts = os.path.normpath(str(entry)).split(os.sep)
+            if "site-packages" in parts:
+                i = len(parts) - 1 - parts[::-1].index("site-packages")
+                if i + 1 < len(parts) and parts[i + 1] in CORE_TOPS:
+                    out.append(entry)
+        return out
 
     class _Hide:
-        """Wraps an import finder: a hidden package is not there."""
+        """Wraps an import finder: a hidden package is not there, except a core package's own copy."""
 
         def __init__(self, inner):
             self.inner = inner
 
         def find_spec(self, name, path=None, target=None):
-            if name.partition(".")[0] in HIDDEN:
-                return None
             find = getattr(self.inner, "find_spec", None)
-            return find(name, path, target) if find else None
+            if find is None:
+                return None
+            if name.partition(".")[0] in HIDDEN:
+                if self.inner is not importlib.machinery.PathFinder:
+                    return None
+                where = _inside_core(sys.path if path is None else path)
+                if not where or (path is not None and len(where) != len(list(path))):
+                    return None
+                return find(name, where, target)
+            return find(name, path, target)
 
         def invalidate_caches(self):
             if hasattr(self.inner, "invalidate_caches"):
