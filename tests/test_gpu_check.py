@@ -140,6 +140,7 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     assert [r["concurrency"] for r in serve] == [1, 8] and all(r["output_tokens_per_sec"] > 0 for r in serve)
     prof = steps["serving"]["profile"]  # (the 8-at-once run again under the profiler: where its host time went)
     assert prof["concurrency"] == 8 and prof["steps"] > 0 and prof["forward_ms"] > 0 and prof["top_host_ops"], prof
+    assert prof["top_device_ops"] == [] and "most device time: none (no device)" in steps["serving"]["note"]  # (CPU)
     plans = steps["planner"]["rows"]
     assert plans and all(r.get("predicted_step_ms", 0) > 0 and r.get("measured_step_ms", 0) > 0 for r in plans), plans
     md = (out / "gpu_check.md").read_text()

@@ -168,10 +168,12 @@ def serving(check: Check, timeout: float) -> dict:
     rows = json.load(open(path))
     prof = rows[-1].pop("profile")
     top = "; ".join(f"{t['op']} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})" for t in prof["top_host_ops"])
+    kernels = "; ".join(f"{t['op'][:80]} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})"
+                        for t in prof["top_device_ops"][:3]) or "none (no device)"
     return {"shape": f"{n} requests of 12-139 prompt tokens, {tokens} tokens out each, greedy",
             "note": f"profiled once more at concurrency {n}: {prof['steps']} steps, their forwards {prof['forward_ms']:,.0f} ms "
                     f"(device synchronized); ops' time on the host {prof['host_ms']:,.0f} ms, on the device "
-                    f"{prof['device_ms']:,.0f} ms; most host time: {top}",
+                    f"{prof['device_ms']:,.0f} ms; most host time: {top}; most device time: {kernels}",
             "profile": prof, "rows": rows}
 
 

@@ -296,7 +296,8 @@ def step_log(engine, device):
 
 def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) -> dict:
     """The profiled run's files (steps_c<N>.json, ops_c<N>.txt) -> its summary: the forwards' time, the
-    host's and the device's time in ops, the ops that took the most host time (share of the host's)."""
+    host's and the device's time in ops, the ops that took the most host time (share of the host's) and,
+    on a GPU, the kernels that took the most device time (which attention kernel SDPA picked, say)."""
     profiler.__exit__(None, None, None)
     os.makedirs(folder, exist_ok=True)
     ops = profiler.key_averages()
@@ -312,6 +313,11 @@ def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) ->
                    host_ms=round(host, 1), device_ms=round(device, 1),
                    top_host_ops=[dict(op=e.key, ms=round(e.self_cpu_time_total / 1000, 1), calls=e.count,
                                       share=round(e.self_cpu_time_total / 1000 / max(host, 1e-9), 3)) for e in top])
+    on_device = sorted((e for e in ops if getattr(e, "self_device_time_total", 0) > 0),
+                       key=lambda e: -e.self_device_time_total)[:5]
+    summary["top_device_ops"] = [dict(op=e.key, ms=round(e.self_device_time_total / 1000, 1), calls=e.count,
+                                      share=round(e.self_device_time_total / 1000 / max(device, 1e-9), 3))
+                                 for e in on_device]
     progress(f"profile of concurrency {concurrency}: {len(steps)} steps, their forwards {summary['forward_ms']:.0f} ms; "
              f"host {host:.0f} ms, device {device:.0f} ms; most host time: "
              + ", ".join(f"{t['op']} {100 * t['share']:.0f}%" for t in summary["top_host_ops"]) + f" -> {folder}")
