@@ -15,9 +15,9 @@ import torch
 
 
 def allocated_peak_gib(device: torch.device) -> float | None:
-    """On a GPU, the peak of the bytes its tensors held (`memory_gib` is what the caching allocator
-    reserved: that, plus the blocks it cached and split); None elsewhere. The two apart say how much of
-    a rank's peak is fragmentation, which a plan (tensors' bytes) compares with the first."""
+    """On a GPU, the peak of the bytes its tensors held; None elsewhere. `memory_gib` is what the caching
+    allocator reserved: that, plus the blocks it cached and split. The two apart say how much of a
+    rank's peak is the allocator's own; a plan's peak (tensors' bytes) compares with this one."""
     return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
 
 
