@@ -39,7 +39,7 @@ WORKER_IMPORTS = ("torch", "torchmeg.observe.metrics", "torchmeg.train.cli", "to
 
 def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
     import torch
-    from torchmeg.observe.metrics import allocated_peak_gib, peak_memory_gib
+    from torchmeg.observe.metrics import memory_fields
     from torchmeg.train.cli import parse_args
     from torchmeg.train.trainer import Trainer
     from torchmeg.train.validate import validate
@@ -74,8 +74,7 @@ def _worker(conn, config: str, overrides: list[str], dump: str) -> None:
                 pass
             conn.send({"tokens_per_step": tr.layout.tokens_per_step, "flops_per_token": tr.flops_per_token,
                        "peak_flops": tr.peak, "peak_source": tr.peak_source,
-                       "memory_gib": peak_memory_gib(tr.device), "memory_allocated_gib": allocated_peak_gib(tr.device),
-                       "kernels": kernels, "last_loss": last["loss"]})
+                       **memory_fields(tr.device), "kernels": kernels, "last_loss": last["loss"]})
         else:
             tr.close()
             conn.send("bye")
@@ -202,7 +201,7 @@ def _finish(w, times: list[float]) -> dict:
     tps = rep["tokens_per_step"] / med
     return {"setting": name, "median_step_ms": 1000 * med, "tokens_per_sec": tps,
             "mfu": tps * rep["flops_per_token"] / rep["peak_flops"], "memory_gib": rep["memory_gib"],
-            "memory_allocated_gib": rep["memory_allocated_gib"],
+            "memory_allocated_gib": rep.get("memory_allocated_gib"),  # (a GPU's only)
             "compile_s": max(0.0, first - med), "kernels": rep["kernels"], "last_loss": rep["last_loss"],
             "peak_source": rep["peak_source"], "step_ms_all": [1000 * t for t in times]}
 

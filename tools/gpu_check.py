@@ -167,9 +167,9 @@ def serving(check: Check, timeout: float) -> dict:
               "--profile", os.path.join(check.work, "serve_profile")], timeout - (time.monotonic() - t0))
     rows = json.load(open(path))
     prof = rows[-1].pop("profile")
-    top = "; ".join(f"{t['op']} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})" for t in prof["top_host_ops"])
-    kernels = "; ".join(f"{t['op'][:80]} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})"
-                        for t in prof["top_device_ops"][:3]) or "none (no device)"
+    def line(ops):  # the profile's top ops (a kernel's name can run to hundreds of characters)
+        return "; ".join(f"{t['op'][:80]} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})" for t in ops)
+    top, kernels = line(prof["top_host_ops"]), line(prof["top_device_ops"][:3]) or "none (no device)"
     return {"shape": f"{n} requests of 12-139 prompt tokens, {tokens} tokens out each, greedy",
             "note": f"profiled once more at concurrency {n}: {prof['steps']} steps, their forwards {prof['forward_ms']:,.0f} ms "
                     f"(device synchronized); ops' time on the host {prof['host_ms']:,.0f} ms, on the device "

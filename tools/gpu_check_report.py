@@ -47,7 +47,8 @@ def _f(v, spec: str) -> str:
 COLUMNS = {
     "bench": [("setting", "setting", ""), ("median step (ms)", "median_step_ms", ".1f"),
               ("tokens/s", "tokens_per_sec", ",.0f"), ("MFU", "mfu", ".1%"), ("peak memory (GiB)", "memory_gib", ".2f"),
-              ("tensors' peak (GiB)", "memory_allocated_gib", ".2f"), ("compile (s)", "compile_s", ".1f"), ("loss at the last step", "last_loss", ".4f"),
+              ("tensors' peak (GiB)", "memory_allocated_gib", ".2f"), ("compile (s)", "compile_s", ".1f"),
+              ("loss at the last step", "last_loss", ".4f"),
               ("vs the first row", "speedup", ".2f")],
     "fused_ce": [("way", "way", ""), ("forward + backward (ms)", "ms", ".2f"), ("peak above inputs (GiB)", "peak_gib", ".3f"),
                  ("fake-tensor prediction (GiB)", "predicted_peak_gib", ".3f"), ("loss", "loss", ".5f"),
