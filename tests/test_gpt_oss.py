@@ -15,7 +15,8 @@ from torchmeg.train.validate import validate
 P = "--parallelism."
 OSS = ["--config", "recipes/gpt_oss_debug.toml", "--data.seq_len=48", "--training.steps=4",
        "--training.deterministic=true", "--training.global_batch_size=8", "--lr_scheduler.warmup_steps=2",
-       "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--validation.steps=2", "--validation.freq=4"]
+       "--metrics.log_freq=1", "--metrics.enable_tensorboard=false", "--validation.enable=true", "--validation.steps=2",
+       "--validation.freq=4"]
 
 
 def _model(**over):
@@ -94,10 +95,13 @@ def test_context_parallel_is_refused_in_one_line():
 @pytest.mark.timeout(600)  # 147 s in a .ci/run beside 4 busy processes (78 quiet), its inductor cache cold
 def test_gpt_oss_compiled_matches_eager(tmp_path, reference):
     """torch.compile of the blocks (two graphs: the windowed layers' and the full ones', the window a
-    static attribute) vs eager, 1e-4 as the other compile tests (fused kernels reorder fp32 work)."""
+    static attribute) vs eager, 1e-4 as the other compile tests (fused kernels reorder fp32 work).
+    Validation off here: its no-grad forward is another graph per kind, ~20% more kernels to build
+    (52 vs 43), and the compiled evaluation of an MoE model is tests/test_compiler.py's (ep2_moe)."""
     from test_compiler import assert_compiled
-    p = run_cli(OSS + ["--training.local_batch_size=4", "--compile.enable=true"], tmp_path, timeout=300)
-    assert_parity(reference, read_metrics(tmp_path), 1e-4, keys=("loss", "grad_norm", "val_loss"))
+    p = run_cli(OSS + ["--training.local_batch_size=4", "--compile.enable=true", "--validation.enable=false"], tmp_path,
+                timeout=300)
+    assert_parity(reference, read_metrics(tmp_path), 1e-4, keys=("loss", "grad_norm"))
     assert "compiled 4 blocks" in p.stdout, p.stdout[-2000:]
     assert_compiled(p.stdout)
 

@@ -46,3 +46,19 @@ def test_the_suites_own_tests_are_marked_as_they_compare():
     # tools/gpu_check's dry run reads `loss_rel_diff` fields of a compile-vs-eager bench: not the rule
     assert not uses_rule(test_gpu_check.test_the_gpu_call_runs_dry_on_the_cpu, test_gpu_check)
     assert uses_rule(test_parallel.test_llama_layout_matches_single_process, test_parallel)
+
+
+def test_a_key_named_but_never_logged_is_not_taken_as_compared():
+    """A run whose validation never ran logs no val_loss: named, it fails; by default (loss, grad
+    norm and val_loss where validation ran) the run still compares its losses."""
+    import pytest
+    from tolerance import assert_parity
+    run = [{"step": 1, "loss": 5.0, "grad_norm": 2.0}, {"step": 2, "loss": 4.0, "grad_norm": 1.5}]
+    assert_parity(run, [dict(r) for r in run])
+    assert_parity(run, [dict(r) for r in run], keys=("loss", "grad_norm"))
+    with pytest.raises(AssertionError, match="'val_loss' is logged at none of the steps compared"):
+        assert_parity(run, [dict(r) for r in run], keys=("loss", "val_loss"))
+    with pytest.raises(AssertionError, match="'loss' is logged at none"):
+        assert_parity([{"step": 1}], [{"step": 1}])
+    with pytest.raises(AssertionError, match="step 2 loss"):
+        assert_parity(run, [run[0], dict(run[1], loss=4.1)])

@@ -41,15 +41,23 @@ def assert_tensor_close(a, b, rtol: float = FP32_PARITY, what: str = "") -> None
     assert d <= rtol * scale, f"{what}: max difference {d:.3e} > {rtol:.1e} x scale {scale:.3e}"
 
 
-def assert_parity(ref: list[dict], got: list[dict], rtol: float = FP32_PARITY,
-                  keys: tuple = ("loss", "grad_norm", "val_loss"), steps=None) -> None:
+DEFAULT_KEYS = ("loss", "grad_norm", "val_loss")
+
+
+def assert_parity(ref: list[dict], got: list[dict], rtol: float = FP32_PARITY, keys: tuple | None = None,
+                  steps=None) -> None:
     """Per-step metrics of a layout vs the reference run, every key relative (the rule above).
-    `steps`: compare only these steps (both runs must log them)."""
+    `steps`: compare only these steps (both runs must log them). `keys` (default loss, grad norm and
+    val_loss where validation ran): each key named must be logged at some compared step, so that a
+    key whose feature is off (validation never enabled, say) is not taken as compared."""
     if steps is not None:
         ref = [r for r in ref if r["step"] in steps]
         got = [r for r in got if r["step"] in steps]
     assert [r["step"] for r in got] == [r["step"] for r in ref], "different steps logged"
     assert ref, "nothing to compare"
+    named, keys = keys is not None, DEFAULT_KEYS if keys is None else keys
+    for k in keys if named else ("loss",):
+        assert any(k in r for r in ref), f"{k!r} is logged at none of the steps compared: nothing of it is compared"
     for a, b in zip(ref, got):
         for k in keys:
             assert (k in a) == (k in b), f"step {a['step']}: {k} in only one run"
