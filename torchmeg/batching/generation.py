@@ -213,20 +213,24 @@ def _recompute(model, prompt: list[int], max_new_tokens: int, ends: frozenset, s
     streams = row_streams([prompt], sample_index)
     seq = torch.tensor([prompt], dtype=torch.long, device=device)
     t0 = t1 = time.perf_counter()
+    seen = None
     for step in range(max_new_tokens):
         logits = model(seq)[:, -1].float()
         if step == 0:
             _sync(device)
             g.prefill_ms, t1 = 1000 * (time.perf_counter() - t0), time.perf_counter()
+            seen = _seen([prompt], logits.shape[-1], logits.device) if penalty != 1 else None
         if keep_logits:
             g.logits.append(logits[0].cpu())
-        if penalty != 1:
-            logits = penalize_repetition(logits, _seen([prompt + g.tokens], logits.shape[-1], logits.device), penalty)
+        if seen is not None:
+            logits = penalize_repetition(logits, seen, penalty)
         nxt = sample(logits, sampling, streams, step)
         if int(nxt) in ends:
             g.finish_reason = "eos"
             break
         g.tokens.append(int(nxt))
+        if seen is not None and 0 <= int(nxt) < seen.shape[-1]:
+            seen[0, int(nxt)] = True
         seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
     _sync(device)
     steps_after_first = len(g.tokens) - (g.finish_reason == "length")
