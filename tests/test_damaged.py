@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from conftest import TINY, read_metrics
+from conftest import TINY, assert_resumed, read_metrics
 from launch import ROOT, run_cli
 
 P = "--parallelism."
@@ -141,6 +141,7 @@ def test_resume_applies_changed_optimizer_and_schedule(tmp_path, pristine):
     shutil.rmtree(ck_folder(tmp_path) / "step-00000008")
     change = ["--optimizer.lr=1e-3", "--lr_scheduler.decay_type=linear"]
     p = resume_to_12(tmp_path, change)
+    assert_resumed(p, 4)  # (the step-8 save removed)
     assert "optimizer.lr 0.003 -> 0.001" in p.stdout and "lr_scheduler.decay_type cosine -> linear" in p.stdout
     fresh = tmp_path / "fresh"
     run_cli(BASE + ["--training.steps=12"] + change, fresh)
