@@ -92,7 +92,7 @@ def test_context_parallel_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)  # 147 s in a .ci/run beside 4 busy processes (78 quiet), its inductor cache cold
+@pytest.mark.timeout(600)  # 49 s in a quiet .ci/run, 53 beside 4 busy processes (147 once), its inductor cache cold
 def test_gpt_oss_compiled_matches_eager(tmp_path, reference):
     """torch.compile of the blocks (two graphs: the windowed layers' and the full ones', the window a
     static attribute) vs eager, 1e-4 as the other compile tests (fused kernels reorder fp32 work).
