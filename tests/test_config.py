@@ -160,3 +160,21 @@ def test_a_layout_torch_2_11_gets_wrong_is_refused_there_in_one_line(args, words
     for newer in ("2.13.0+cpu", "2.14.1"):
         check_torch_version(cfg, model, dims, version=newer)
     check_torch_version(*parts(["--config", args[1], "--parallelism.tensor_parallel_degree=1"]), version="2.11.0")
+
+
+def test_keys_of_a_switched_off_section_get_a_note(capsys):
+    """`--validation.freq=4` without `--validation.enable=true` leaves validation off: the command line
+    says so before the run (rank 0, stdout; the run goes on). The gpt-oss and DeepSeek-V3 tests passed
+    exactly that for a week and compared a val_loss no run logged. A switch given on, or a recipe's own
+    keys beside its switch off (debug_llama's [validation] keeps freq and steps), get no note."""
+    from torchmeg.config.schema import idle_overrides
+    argv = ["--config", RECIPE, "--validation.enable=false", "--validation.freq", "4", "--float8.recipe=rowwise",
+            "--checkpoint.interval=3", "--training.steps=-3"]  # (a bad value: main stops after the note, no run)
+    assert main(argv) == 2
+    assert capsys.readouterr().out.splitlines() == [
+        "torchmeg: note: --validation.freq does nothing: validation.enable = false (add --validation.enable=true)",
+        "torchmeg: note: --float8.recipe does nothing: float8.enable = false (add --float8.enable=true)"]
+    on = ["--float8.enable=true", "--float8.recipe=rowwise", "--lora.rank=4", "--lora.enable=true"]
+    assert idle_overrides(load_config(RECIPE, on), on) == []
+    off = ["--validation.enable=false"]
+    assert idle_overrides(load_config(RECIPE, off), off) == []

@@ -28,7 +28,7 @@ from torchmeg.config.sections import (  # the sections' dataclasses (keys, types
     Job, Model, Data, Training, Optimizer, LRScheduler, Parallelism, ActivationCheckpoint,
     Compile, Float8, Checkpoint, Validation, Metrics, Profiling, Comm, Plan, Dpo, Grpo, Lora)
 
-__all__ = ["Config", "ConfigError", "coerce", "load_config", "split_overrides"]
+__all__ = ["Config", "ConfigError", "coerce", "idle_overrides", "load_config", "split_overrides"]
 
 
 @dataclass
@@ -198,3 +198,22 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"unknown key '{dotted}' (command line){_suggest(key, section_fields(sec))}")
         _apply(cfg, sec, key, value, "command line")
     return cfg
+
+
+# Sections whose other keys do nothing while `enable` is false (checkpoint's are not among them:
+# initial_load_path and initial_load_hf act without it).
+SWITCHED = ("validation", "profiling", "float8", "lora", "compile")
+
+
+def idle_overrides(cfg: Config, overrides: list[str]) -> list[str]:
+    """One line per switched-off section whose other keys the command line sets, naming them and the
+    switch (`--validation.freq=4` alone leaves validation off: the run silently never evaluates). A
+    recipe's own keys are not counted: a TOML section often keeps its settings with the switch off."""
+    pairs, _ = split_overrides(list(overrides))
+    given: dict[str, list[str]] = {}
+    for dotted, _ in pairs:
+        sec, _, key = dotted.partition(".")
+        if sec in SWITCHED and key != "enable" and not getattr(cfg, sec).enable:
+            given.setdefault(sec, []).append(f"--{dotted}")
+    return [f"{', '.join(keys)} {'does' if len(keys) == 1 else 'do'} nothing: {sec}.enable = false "
+            f"(add --{sec}.enable=true)" for sec, keys in given.items()]

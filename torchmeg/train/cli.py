@@ -5,10 +5,11 @@ Validates the recipe (torchmeg.train.validate -> Layout), then builds the run an
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from torchmeg.runtime import guard
-from torchmeg.config.schema import Config, load_config
+from torchmeg.config.schema import Config, idle_overrides, load_config
 from torchmeg.config.errors import ConfigError, LossSpikeError
 from torchmeg.train.trainer import Trainer
 from torchmeg.train.validate import validate
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def prepare():
         cfg = parse_args(argv)
+        if os.environ.get("RANK", "0") == "0":  # (a note, not an error: the run goes on)
+            for line in idle_overrides(cfg, [a for a in argv if not a.startswith("--config")]):
+                print(f"torchmeg: note: {line}", flush=True)
         return cfg, validate(cfg)
 
     def run(prepared):
