@@ -164,8 +164,8 @@ def test_a_layout_torch_2_11_gets_wrong_is_refused_there_in_one_line(args, words
 
 def test_keys_of_a_switched_off_section_get_a_note(capsys):
     """`--validation.freq=4` without `--validation.enable=true` leaves validation off: the command line
-    says so before the run (rank 0, stdout; the run goes on). The gpt-oss and DeepSeek-V3 tests passed
-    exactly that for a week and compared a val_loss no run logged. A switch given on, or a recipe's own
+    says so before the run (rank 0, stdout; the run goes on). The DeepSeek-V3 and gpt-oss tests passed
+    exactly that from 2026-11-24 and 11-26 on and compared a val_loss no run logged. A switch given on, or a recipe's own
     keys beside its switch off (debug_llama's [validation] keeps freq and steps), get no note."""
     from torchmeg.config.schema import idle_overrides
     argv = ["--config", RECIPE, "--validation.enable=false", "--validation.freq", "4", "--float8.recipe=rowwise",
