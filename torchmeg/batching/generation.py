@@ -229,8 +229,8 @@ def _recompute(model, prompt: list[int], max_new_tokens: int, ends: frozenset, s
             g.finish_reason = "eos"
             break
         g.tokens.append(int(nxt))
-        if seen is not None and 0 <= int(nxt) < seen.shape[-1]:
-            seen[0, int(nxt)] = True
+        if seen is not None:
+            seen.scatter_(1, nxt.view(1, 1).to(seen.device), True)  # (as the cached path marks its rows)
         seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
     _sync(device)
     steps_after_first = len(g.tokens) - (g.finish_reason == "length")

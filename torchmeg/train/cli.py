@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     def prepare():
         cfg = parse_args(argv)
         if os.environ.get("RANK", "0") == "0":  # (a note, not an error: the run goes on)
-            for line in idle_overrides(cfg, [a for a in argv if not a.startswith("--config")]):
+            for line in idle_overrides(cfg, argv):  # (--config and its path are not overrides: passed over)
                 print(f"torchmeg: note: {line}", flush=True)
         return cfg, validate(cfg)
 
