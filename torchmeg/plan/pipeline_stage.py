@@ -104,9 +104,20 @@ def _first_backward_state(part) -> None:
     input, which a traced one had left tracked here as well as in the next microbatch's activations
     (every number of ten PP plans compared, the 70B, the 405B, MoE, float8 and LoRA among them:
     docs/planning.md)."""
-    for p in part.parameters():  # (FSDP's gathered weights: registered on the modules while unsharded)
+    give_gradients(part)
+    end_first_backward(part)
+
+
+def give_gradients(part) -> None:
+    """Every trainable weight given a gradient of its shape, dtype and placements (FSDP's gathered
+    weights: registered on the modules while unsharded)."""
+    for p in part.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
+
+
+def end_first_backward(part) -> None:
+    """Under FSDP, FSDP's own end-of-backward callback, as after a first backward (gradient sync as set)."""
     if isinstance(part, FSDPModule):
         state = part._get_fsdp_state()
         state._lazy_init()  # (as the first forward begins: this module the root)

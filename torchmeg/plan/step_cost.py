@@ -26,6 +26,7 @@ from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
 
 aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
 def device_of(func, types, args):
@@ -143,6 +144,11 @@ class StepCost(CommDebugMode):
         self.labels = group_labels or {}
         self.ops = []
         self.op_names = []
+        # per op: whether it adds a microbatch's gradient into the one accumulated (autograd's
+        # AccumulateGrad, FSDP's accumulation in the reduce dtype: `accumulating`), which a step's
+        # first microbatch does not do (repeat(..., first=True))
+        self.op_accumulates = []
+        self.accumulating = False
         self._traffic: list[Traffic] = []
         self._eager = False        # inside a region the compiler does not see (the optimizer's update)
         self._boundary = False     # a collective ran since the last op: fusion cannot cross it
@@ -296,19 +302,32 @@ class StepCost(CommDebugMode):
         self._traffic.append(tr)
         self.ops.append((flops, nbytes, dtype, kind, nbytes))
         self.op_names.append(str(packet))
+        self.op_accumulates.append(self.accumulating or isinstance(torch._C._current_autograd_node(), _ACCUMULATE_GRAD))
 
     def mark(self) -> tuple:
         """Where the tables stand now, for repeat()."""
         return len(self.ops), {k: dict(v) for k, v in self.collectives.items()}
 
-    def repeat(self, start: tuple, end: tuple, times: int) -> None:
-        """Count what ran between two marks `times` more times (identical microbatches of a step)."""
+    def repeat(self, start: tuple, end: tuple, times: int, first: bool = False) -> None:
+        """Count what ran between two marks `times` more times (identical microbatches of a step);
+        `first`: as a step's first microbatch, which has no gradient to add its own to (the ops that
+        accumulate one left out; what it does instead is the caller's: extend())."""
         (i, c0), (j, c1) = start, end
-        self.ops += self.ops[i:j] * times
-        self.op_names += self.op_names[i:j] * times
+        keep = [k for k in range(i, j) if not (first and self.op_accumulates[k])]
+        self.ops += [self.ops[k] for k in keep] * times
+        self.op_names += [self.op_names[k] for k in keep] * times
+        self.op_accumulates += [self.op_accumulates[k] for k in keep] * times
         for key, c in c1.items():
             before = c0.get(key, {"count": 0, "bytes": 0, "wire_bytes": 0.0})
             add_comm(self.collectives, key, {**c, **{k: c.get(k, 0) - before.get(k, 0) for k in _SUMMED}}, times)
+
+    def extend(self, other: "StepCost") -> None:
+        """Count another StepCost's ops and collectives as this one's."""
+        self.ops += other.ops
+        self.op_names += other.op_names
+        self.op_accumulates += other.op_accumulates
+        for key, c in other.collectives.items():
+            add_comm(self.collectives, key, c, 1)
 
     # ---- summaries ----
     @property

@@ -15,7 +15,9 @@ import importlib
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import _foreach_supported_types
 
 from torchmeg.config.layout import Layout
@@ -23,6 +25,7 @@ from torchmeg.observe.metrics import model_state_bytes
 from torchmeg.parallel.parallelize import program_for
 from torchmeg.plan.post_training import reference_copy, rollout_phases
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
+from torchmeg.plan.pipeline_stage import FSDP_DIMS, end_first_backward, give_gradients
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
@@ -40,12 +43,15 @@ class MicrobatchMarks:
     the only kinds a step has (the first creates the accumulated gradients, every middle one
     starts from them with no gradient sync, the last syncs), so the memory peak of three is the
     step's, and its ops and collectives are those of three plus `more` copies of the middle one's.
-    Iterating notes, where each microbatch begins, the bytes held and the StepCost tables (`memory`
-    and `cost`, set by track_step)."""
+    `first_given`: the first microbatch's lasting effect was given instead of traced
+    (give_first_microbatch): the middle and the last are run, and the first counts as a middle
+    one without the ops that accumulate a gradient (track_step). Iterating notes, where each microbatch begins, the bytes held and the StepCost tables
+    (`memory` and `cost`, set by track_step)."""
 
-    def __init__(self, make_batch, accum: int):
-        self.batches = [make_batch() for _ in range(min(accum, 3))]
+    def __init__(self, make_batch, accum: int, first_given: bool = False):
+        self.batches = [make_batch() for _ in range(2 if first_given else min(accum, 3))]
         self.more = accum - len(self.batches)
+        self.middle = 0 if first_given else 1  # the index of the middle microbatch run
         self.cost, self.memory, self.marks = None, None, []
 
     def __len__(self):
@@ -58,8 +64,60 @@ class MicrobatchMarks:
         self.marks.append((current_bytes(self.memory), self.cost.mark()))
 
 
+def first_microbatch_given(model, accum: int) -> bool:
+    """Whether a step's first microbatch is given (give_first_microbatch) rather than traced: with three
+    microbatches or more (with two, the first is the only one without the sync and the last the only
+    one with it), on a model whose gradients are plain tensors or FSDP's, sharded along every mesh dim
+    but FSDP's. A weight replicated along another dim (tensor parallel's norms) gets a gradient that
+    autograd may leave Partial, which a given one would not be (its accumulation then all-reduces);
+    replicate's DDP keeps buckets of its own."""
+    if accum < 3:
+        return False
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not isinstance(model, FSDPModule):
+        return not hasattr(model, "set_requires_gradient_sync") and not any(isinstance(p, DTensor) for p in params)
+    return all(not isinstance(p, DTensor) or all(
+        dim in FSDP_DIMS or isinstance(pl, Shard) for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements))
+        for p in params)
+
+
+def give_first_microbatch(model, labels) -> tuple[list[torch.Tensor], StepCost]:
+    """What a step's first microbatch leaves to the next, given without tracing its forward and
+    backward (a third of a three-microbatch trace's time): every trainable weight given the gradient
+    autograd's first backward gives it (its shape, dtype and placements; values matter neither on fake
+    tensors nor to a byte count), and under FSDP each block gathered for it and FSDP's own
+    end-of-backward callback run with gradient sync off, as after the first of several microbatches:
+    the gradient stays unsharded, or moves into FSDP's accumulated gradient of the reduce dtype
+    (torchmeg.plan.pipeline_stage gives a pipeline stage's first microbatch the same way). Run before
+    the step is tracked -> (the tensors it leaves held that the tracker does not find through the
+    model: FSDP's unsharded gradients; the ops of the callback, which the first microbatch runs where
+    a later one accumulates: MicrobatchMarks). The first microbatch's other ops and its collectives are
+    a middle one's (track_step)."""
+    cost = StepCost(labels)
+    if not isinstance(model, FSDPModule):
+        give_gradients(model)
+        return [], cost
+    model.set_requires_gradient_sync(False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+    give_gradients(model)
+    with cost:
+        end_first_backward(model)
+    held = []
+    for m in model.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
+        for fp in group.fsdp_params if group is not None else ():
+            grad = fp.unsharded_accumulated_grad
+            if grad is None and hasattr(fp, "_unsharded_param"):
+                grad = fp._unsharded_param.grad  # (the reduce dtype is the weights': no copy of its own)
+            if grad is not None:
+                held.append(grad)
+    return held, cost
+
+
 def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: bool = False,
-               marks: dict | None = None, held: list | None = None) -> Measurement:
+               marks: dict | None = None, held: list | None = None, first=None) -> Measurement:
     """Run `run()` (one training step) under MemTracker + StepCost. With `microbatches` (a
     MicrobatchMarks the step iterates), its middle microbatch's ops and collectives count
     `microbatches.more` extra times. `phased`: run(between) calls between() once forward and backward
@@ -67,9 +125,14 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
     scales with the depth on its own line (activations; state + gradients), so a plan that traces a
     few layers takes the larger only once scaled (torchmeg.plan.depth); `marks` (block -> layer key)
     split the backward further, at each of those blocks (memory.step_memory); `held`: tensors the
-    trainer keeps beside the model and optimizer (GRPO's reference weights)."""
+    trainer keeps beside the model and optimizer (GRPO's reference weights); `first`: gives the step's
+    first microbatch (give_first_microbatch, with `microbatches` made first_given): it counts as a
+    middle one without the ops that accumulate a gradient, and with those `first` returns."""
+    # (the tensors `first` leaves held are told to the tracker, not kept here: FSDP frees them at its reduce)
+    first_held, first_cost = first() if first is not None else ([], None)
     mt = step_memory(marks)
-    mt.track_external(*model_parts, optimizer, *(held or []))
+    mt.track_external(*model_parts, optimizer, *(held or []), *first_held)
+    del first_held
     cost = StepCost(labels)
     if microbatches is not None:
         microbatches.cost, microbatches.memory = cost, mt
@@ -82,7 +145,7 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
     optimizer.step = eager_update
     phases = {}
     try:
-        with mt, cost:
+        with mt, cost, _fsdp_accumulation_marked(cost):
             if phased:
                 run(lambda: phases.update(mt.segments, forward_backward=take_peak(mt)))
             else:
@@ -96,8 +159,11 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
     if phased:
         phases["update"] = mem
     if microbatches is not None and microbatches.more:
-        (held1, c1), (held2, c2) = microbatches.marks[1:3]
-        cost.repeat(c1, c2, microbatches.more)
+        (held1, c1), (held2, c2) = microbatches.marks[microbatches.middle:microbatches.middle + 2]
+        if first_cost is not None:  # the first microbatch: a middle one that accumulates nothing
+            cost.repeat(c1, c2, 1, first=True)
+            cost.extend(first_cost)
+        cost.repeat(c1, c2, microbatches.more - (first_cost is not None))
         # Whatever a middle microbatch leaves held (a few KiB of batch-sized bytes here) is held
         # once more per extra microbatch at the peak, which comes in the last one (or after it).
         for snap in phases.values() if phased else [mem]:
@@ -106,6 +172,25 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
         mem = peak_phase(phases)
     return Measurement(memory=mem, memory_phases=phases, flops=cost.flops, ops=cost.ops, comm=cost.comm_table(),
                        flops_by_op=cost.flops_by_op())
+
+
+@contextlib.contextmanager
+def _fsdp_accumulation_marked(cost: StepCost):
+    """The ops of FSDP's accumulation of a microbatch's gradient into the one it holds in the reduce
+    dtype marked as such (StepCost.accumulating; autograd's own accumulation is marked by its node)."""
+    accumulate = FSDPParam.accumulate_unsharded_grad_if_needed
+
+    def marked(self):
+        cost.accumulating = True
+        try:
+            return accumulate(self)
+        finally:
+            cost.accumulating = False
+    FSDPParam.accumulate_unsharded_grad_if_needed = marked
+    try:
+        yield
+    finally:
+        FSDPParam.accumulate_unsharded_grad_if_needed = accumulate
 
 
 def _one_placement(p: DTensor, state: dict | None) -> bool:
@@ -197,8 +282,9 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
             g = cfg.grpo  # (and the old policy's / the reference's log-probs where the loss reads them)
             extra = (RolloutRows(torch.zeros(R), torch.zeros(R, L), torch.zeros(R, L) if g.num_iterations > 1 else None,
                                  torch.zeros(R, L) if g.beta != 0.0 else None),)
+        given = first_microbatch_given(model, layout.accum)
         batches = MicrobatchMarks(lambda: (torch.randint(0, vocab, (R, L)), torch.randint(0, vocab, (R, L)), *extra),
-                                  layout.accum)
+                                  layout.accum, first_given=given)
         loss = loss_function(cfg, built)
         if isinstance(loss, GRPOLoss):
             loss.token_scale = 1.0  # dapo: fake rollouts have no token count; one number either way
@@ -216,7 +302,8 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
         layers = getattr(model, layout.spec.layers_attr, None)
         marks = {block: key for key, block in layers.items()} if isinstance(layers, torch.nn.ModuleDict) else {}
         m = track_step(lambda between: (step(between), opt.zero_grad(set_to_none=True)), [model], opt, labels, batches,
-                       phased=True, marks=marks, held=reference)
+                       phased=True, marks=marks, held=reference,
+                       first=(lambda: give_first_microbatch(model, labels)) if given else None)
         if cfg.training.objective == "grpo":
             m["memory_phases"].update(rollout_phases(cfg, layout, mesh, model, opt, reference, ms, batches.batches[0]))
         return {"step": m, "state": state, "reports": {0: dict(model.torchmeg_report)}}
