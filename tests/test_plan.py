@@ -18,8 +18,9 @@ from torchmeg.train.validate import validate
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
 # (One process was checked too, and agrees exactly; left out of the suite for time: the FSDP 2 case
 # runs the same code with sharding on top.)
-# FSDP 2 accumulates 4 microbatches of 2 (the same tokens per step): the plan runs three of them
-# and counts the middle one's ops, collectives and held bytes once more.
+# FSDP 2 accumulates 4 microbatches of 2 (the same tokens per step): the plan gives the first
+# (trace_step.give_first_microbatch), runs a middle one and the last, and counts the middle one's ops,
+# collectives and held bytes once more, and once more less its gradient accumulation for the first.
 LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.global_batch_size=16"]),
            ("tp2_fsdp2", 4, ["--parallelism.tensor_parallel_degree=2"]),
            # Muon: each matrix's update made whole (all-gathers over dp_shard and tp) and orthogonalized

@@ -45,8 +45,9 @@ class MicrobatchMarks:
     step's, and its ops and collectives are those of three plus `more` copies of the middle one's.
     `first_given`: the first microbatch's lasting effect was given instead of traced
     (give_first_microbatch): the middle and the last are run, and the first counts as a middle
-    one without the ops that accumulate a gradient (track_step). Iterating notes, where each microbatch begins, the bytes held and the StepCost tables
-    (`memory` and `cost`, set by track_step)."""
+    one without the ops that accumulate a gradient (track_step). Iterating notes, where each
+    microbatch begins, the bytes held and the StepCost tables (`memory` and `cost`, set by
+    track_step)."""
 
     def __init__(self, make_batch, accum: int, first_given: bool = False):
         self.batches = [make_batch() for _ in range(2 if first_given else min(accum, 3))]
