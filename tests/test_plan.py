@@ -26,6 +26,9 @@ LAYOUTS = [("fsdp2_accum4", 2, ["--training.local_batch_size=2", "--training.glo
            # Muon: each matrix's update made whole (all-gathers over dp_shard and tp) and orthogonalized
            ("tp2_fsdp2_muon", 4, ["--parallelism.tensor_parallel_degree=2", "--optimizer.name=muon"]),
            ("pp2", 2, ["--parallelism.pipeline_parallel_degree=2"]),
+           # TP with sequence parallel in the stages: the norms' gradients Partial, all-reduced by the
+           # update (the plan had given them Replicate: 10 and 18 TP all-reduces planned, 18 and 28 run)
+           ("pp2_tp2", 4, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2"]),
            # PP x FSDP: the stage's weights gathered once a step (the default), then once per microbatch
            # forward and backward as 1F1B orders them (5 gathers of each stage's blocks at 4 microbatches)
            ("pp2_fsdp2", 4, ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_microbatches=4"]),

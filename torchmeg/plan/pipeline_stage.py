@@ -25,6 +25,7 @@ import types
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchmeg.observe.metrics import local_bytes
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
@@ -110,10 +111,22 @@ def _first_backward_state(part) -> None:
 
 def give_gradients(part) -> None:
     """Every trainable weight given a gradient of its shape, dtype and placements (FSDP's gathered
-    weights: registered on the modules while unsharded)."""
+    weights: registered on the modules while unsharded), but one replicated along a mesh dim that is
+    not FSDP's (tensor parallel's norms): autograd may leave its gradient Partial there (sequence
+    parallel), which a given one would not be, and adding the next microbatch's Partial gradient to a
+    Replicate one all-reduces it, where the real run all-reduces once, at the reduce or the update
+    (a PP 2 x TP 2 plan counted 10 and 18 TP all-reduces on its two ranks where the run issues 18
+    and 28). Such a weight's gradient is made by the microbatch traced next: its few bytes counted
+    there, and no add of the accumulation for it."""
     for p in part.parameters():
-        if p.requires_grad:
+        if p.requires_grad and not replicated_beside_fsdp(p):
             p.grad = torch.zeros_like(p)
+
+
+def replicated_beside_fsdp(p) -> bool:
+    """Whether p is a DTensor replicated along a mesh dim other than FSDP's."""
+    return isinstance(p, DTensor) and any(
+        dim not in FSDP_DIMS and isinstance(pl, Replicate) for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements))
 
 
 def end_first_backward(part) -> None:
