@@ -97,17 +97,32 @@ def held_peak(row, stages: dict) -> int:
     """The most bytes a rank holds as it plays its row of actions (torch_actions): each forward
     adds its stage's activations (`act`), held to that microbatch's backward (B, or W where the
     schedule splits it); every action peaks at what is held plus its own transient
-    (`fwd_transient` / `bwd_transient`). `stages`: {stage: {act, fwd_transient, bwd_transient}}."""
-    live, peak = 0, 0
+    (`fwd_transient` / `bwd_transient`). `stages`: {stage: {act, fwd_transient, bwd_transient[,
+    grads]}}; `grads`: what a stage's first backward makes and the rank holds to the step's end (the
+    gradients, or FSDP's unsharded accumulated ones): made block by block as that backward frees the
+    microbatch's activations block by block, so held from its end, and that backward peaks at its
+    start or its end (before, it had been counted from the step's start: the first pipeline rank,
+    whose peak comes before its first backward, planned 1.09x the run's in bf16)."""
+    return held_peak_and_grads(row, stages)[0]
+
+
+def held_peak_and_grads(row, stages: dict) -> tuple[int, int]:
+    """held_peak, and the stages' `grads` held at that peak."""
+    live, peak, made, held = 0, (0, 0), set(), 0
     for kind, s, _ in row:
         st = stages[s]
         if kind == "F":
             live += st["act"]
-            peak = max(peak, live + st["fwd_transient"])
+            peak = max(peak, (live + st["fwd_transient"], held))
         else:
-            peak = max(peak, live + st["bwd_transient"])
-            if kind in ("B", "W"):
-                live -= st["act"]
+            frees = kind in ("B", "W")
+            grads = st.get("grads", 0) if frees and s not in made else 0
+            peak = max(peak, (live + st["bwd_transient"], held),
+                       (live - (st["act"] if frees else 0) + grads + st["bwd_transient"], held + grads))
+            if frees:
+                live += grads - st["act"]
+                held += grads
+                made.add(s)
     return peak
 
 

@@ -20,7 +20,7 @@ from torchmeg.models.deepseek_v3 import mtp_ahead, mtp_weights
 from torchmeg.observe.metrics import local_bytes
 from torchmeg.parallel import pipeline as pl
 from torchmeg.parallel.parallelize import reshard_after_forward
-from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak, simulate, torch_actions
+from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak_and_grads, simulate, torch_actions
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.step_cost import add_comm
 from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, gpu_optimizer, router_stats, track_step
@@ -167,11 +167,14 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
                                  (measured["gather_blocks"], n_blocks)):
                 for key, c in table.items() if times else ():
                     add_comm(rank_comm, key, c, times)
-        peak = held_peak(actions[pp_rank], mine)
+        # The gradients a stage's first backward makes (the parameters' own without FSDP, FSDP's unsharded
+        # accumulated ones) are held from that backward on (held_peak); FSDP's gathered weights from the
+        # stage's first microbatch to the step's reduce (an upper bound for the few actions before they exist).
+        peak, grads_at_peak = held_peak_and_grads(actions[pp_rank], {
+            s: {**st, "grads": st["own_grads"] + st["kept_grads"]} for s, st in mine.items()})
         # The peak: microbatches in flight over the static bytes, or the update (state + its temporaries).
-        # FSDP's gathered weights and unsharded accumulated gradients are held from a stage's first
-        # microbatch to the step's reduce (an upper bound for the few actions before they exist).
         kept = sum(stage["kept"] for stage in mine.values())
+        kept_grads = sum(stage["kept_grads"] for stage in mine.values())
         # torch's receive buffers, one per microbatch each way, allocated at the first step and kept (so the
         # update's peak has them too): plan.pipeline_stage.measure_stage
         recv = sum(stage["recv_bytes"] for stage in mine.values())
@@ -182,10 +185,10 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
         # The categories are those of the peak's moment, as a traced step's snapshot gives them.
         grads = meas["grads"]
         own_grads = sum(stage["own_grads"] for stage in mine.values())
-        during = state - grads + own_grads + kept + peak
+        during = state - grads + kept - kept_grads + peak
         after = max(state + kept, tail_m["memory"].get("Total", 0) - buffers)
         memory = {"Total": recv + buffers + max(during, after), "Parameter": params,
-                  "Gradient": own_grads if during > after else grads,
+                  "Gradient": min(own_grads, grads_at_peak) if during > after else grads,
                   "Optstate": state - params - grads, "Buffer": buffers}
         m = Measurement(memory=memory, flops=flops, ops=ops, comm=rank_comm)
         m.update(rank=pp_rank * (dims.world_size // dims.pp), pp_rank=pp_rank, stages=ids, model_state_bytes=state,

@@ -38,7 +38,7 @@ FSDP_DIMS = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "efsdp")
 def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, reshard_per_microbatch: bool,
                   received: bool = False) -> dict:
     """-> {act, fwd_transient, bwd_transient, out_bytes, flops, ops, comm (per microbatch),
-    kept, recv_bytes, own_grads, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the
+    kept, kept_grads (the part of kept the first backward makes), recv_bytes, own_grads, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the
     last stage's loss (None on the others); `kw`: the model's keyword inputs; `received`: x comes from
     the previous stage (into a receive buffer, counted in recv_bytes, not as an activation)."""
     blocks = [m for m in part.modules() if isinstance(m, FSDPModule) and m is not part]
@@ -59,6 +59,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         with cold_cost:
             for m in blocks:
                 m.unshard()  # each block's all-gather, as the first microbatch's forward issues it
+        gathered = current_bytes(mt) - current_bytes(mt, "Gradient") - base0
         _first_backward_state(part)
         # The parameters' own gradients are counted with the model state: only what FSDP holds besides.
         # Without FSDP the gradients given are those very ones (autograd accumulates into them), which
@@ -66,6 +67,8 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
         own_grads = 0 if isinstance(part, FSDPModule) else sum(
             local_bytes(p.grad) for p in part.parameters() if p.grad is not None)
         kept = current_bytes(mt) - current_bytes(mt, "Gradient") - base0 - own_grads
+        # what of `kept` the first backward makes (FSDP's unsharded accumulated gradients), not the first forward
+        kept_grads = kept - gathered
     mt = step_memory()
     # The gradients FSDP accumulates unsharded are counted in `kept`: told to this tracker, the second
     # microbatch's in-place accumulation into them is not counted again as new bytes (it was, as a
@@ -88,7 +91,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
     fsdp = lambda table: {k: c for k, c in table.items() if k.split("/")[0] in FSDP_DIMS}  # noqa: E731
     return {"act": after_fwd - base, "fwd_transient": max(0, fwd_peak - after_fwd),
             "bwd_transient": max(0, bwd_peak - after_fwd), "out_bytes": out_bytes, "flops": cost.flops,
-            "recv_bytes": n_micro * ((local_bytes(x) if received else 0) + grad_bytes), "own_grads": own_grads,
+            "recv_bytes": n_micro * ((local_bytes(x) if received else 0) + grad_bytes), "own_grads": own_grads, "kept_grads": kept_grads,
             "ops": cost.ops, "comm": cost.comm_table(), "kept": kept, "gather_root": fsdp(root_cost.comm_table()),
             "gather_blocks": fsdp(cold_cost.comm_table()), "reduce": reduce_cost.comm_table(),
             "reduce_ops": reduce_cost.ops}
