@@ -7,10 +7,11 @@ unsharded, in the reduce dtype, until then. So a stage is measured in four parts
 tensors alike:
 
 1. the root's own parameters gathered (embeddings, final norm, output head): one all-gather set;
-2. what the first microbatch leaves held to the reduce (`kept`: the gathered weights and the
-   unsharded accumulated gradients), and the blocks' all-gather set: FSDP's own unshard of each
-   block, then each trainable weight given its gradient and FSDP's own end-of-backward callback
-   (_first_backward_state), not a traced forward and backward;
+2. what the first microbatch leaves held to the reduce (`kept`: the gathered weights, and the
+   unsharded accumulated gradients its backward makes, `kept_grads`), and the blocks' all-gather
+   set: FSDP's own unshard of each block, then each trainable weight (but TP's replicated ones)
+   given its gradient and FSDP's own end-of-backward callback (_first_backward_state), not a traced
+   forward and backward;
 3. a microbatch over gathered weights: its activations, transient peaks, ops and the
    collectives every microbatch issues (TP, CP, EP);
 4. the reduce itself (reduce-scatter, HSDP all-reduce, the 1/microbatches scaling): once a step.
@@ -37,10 +38,11 @@ FSDP_DIMS = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "efsdp")
 
 def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, reshard_per_microbatch: bool,
                   received: bool = False) -> dict:
-    """-> {act, fwd_transient, bwd_transient, out_bytes, flops, ops, comm (per microbatch),
-    kept, kept_grads (the part of kept the first backward makes), recv_bytes, own_grads, gather_root, gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the
-    last stage's loss (None on the others); `kw`: the model's keyword inputs; `received`: x comes from
-    the previous stage (into a receive buffer, counted in recv_bytes, not as an activation)."""
+    """-> {act, fwd_transient, bwd_transient, out_bytes, flops, ops, comm (per microbatch), kept,
+    kept_grads (the part of kept the first backward makes), recv_bytes, own_grads, gather_root,
+    gather_blocks, reduce (comm tables), reduce_ops}. `loss_fn`: the last stage's loss (None on the
+    others); `kw`: the model's keyword inputs; `received`: x comes from the previous stage (into a
+    receive buffer, counted in recv_bytes, not as an activation)."""
     blocks = [m for m in part.modules() if isinstance(m, FSDPModule) and m is not part]
     if isinstance(part, FSDPModule):
         part.set_requires_gradient_sync(False)  # as torch's stage, for every microbatch's backward
