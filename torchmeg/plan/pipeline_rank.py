@@ -80,8 +80,9 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
     # data parallel, the grad norm (per placement group, then over the pipeline), the update.
     for name, p in built.model.named_parameters():
         p.grad = torch.zeros_like(p)
-        if _layer_free(name) in made:  # (the placements autograd gives it: Partial under sequence parallel)
-            p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, made[_layer_free(name)], run_check=False)
+        placements = made.get(_layer_free(name))  # (the ones autograd gives it: Partial under sequence parallel)
+        if placements is not None:
+            p.grad = DTensor.from_local(p.grad.to_local(), p.device_mesh, placements, run_check=False)
     pp_group = mesh["pp"].get_group()
 
     def tail():

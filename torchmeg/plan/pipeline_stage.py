@@ -80,7 +80,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
     # so neither is the microbatch's: the input is told to the tracker before `base` (it would be counted as
     # an activation when the forward reads it) and the output gradient's bytes come off the backward's
     # transient; both are `recv_bytes`, n_micro of each.
-    mt.track_external(part, opt, *_accumulated_grads(part), *([x] if received else []))
+    mt.track_external(part, opt, *accumulated_grads(part), *([x] if received else []))
     with mt, cost:
         base = current_bytes(mt)
         out_bytes, after_fwd, fwd_peak, grad_bytes = _microbatch(part, x, kw, loss_fn, y, mt)
@@ -142,11 +142,15 @@ def end_first_backward(part) -> None:
         state._root_post_backward_final_callback()
 
 
-def _accumulated_grads(part) -> list[torch.Tensor]:
-    """FSDP's unsharded gradients held in the reduce dtype between a stage's microbatches."""
+def accumulated_grads(part, resharded: bool = False) -> list[torch.Tensor]:
+    """FSDP's unsharded gradients held in the reduce dtype between a stage's microbatches; `resharded`:
+    also those kept on the weights' unsharded parameters (the reduce dtype being the weights'), which
+    the modules no longer hold once FSDP has resharded them (no pipeline)."""
     groups = [m._get_fsdp_state()._fsdp_param_group for m in part.modules() if isinstance(m, FSDPModule)]
-    return [fp.unsharded_accumulated_grad for g in groups if g is not None for fp in g.fsdp_params
-            if fp.unsharded_accumulated_grad is not None]
+    grads = [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None or not resharded
+             else getattr(getattr(fp, "_unsharded_param", None), "grad", None)
+             for g in groups if g is not None for fp in g.fsdp_params]
+    return [t for t in grads if t is not None]
 
 
 def _microbatch(part, x, kw, loss_fn, y, mt=None):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import _foreach_supported_types
 
 from torchmeg.config.layout import Layout
@@ -25,7 +25,7 @@ from torchmeg.observe.metrics import model_state_bytes
 from torchmeg.parallel.parallelize import program_for
 from torchmeg.plan.post_training import reference_copy, rollout_phases
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
-from torchmeg.plan.pipeline_stage import FSDP_DIMS, end_first_backward, give_gradients
+from torchmeg.plan.pipeline_stage import accumulated_grads, end_first_backward, give_gradients, replicated_beside_fsdp
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
@@ -77,9 +77,7 @@ def first_microbatch_given(model, accum: int) -> bool:
     params = [p for p in model.parameters() if p.requires_grad]
     if not isinstance(model, FSDPModule):
         return not hasattr(model, "set_requires_gradient_sync") and not any(isinstance(p, DTensor) for p in params)
-    return all(not isinstance(p, DTensor) or all(
-        dim in FSDP_DIMS or isinstance(pl, Shard) for dim, pl in zip(p.device_mesh.mesh_dim_names, p.placements))
-        for p in params)
+    return not any(replicated_beside_fsdp(p) for p in params)  # (a weight's placements: Shard or Replicate)
 
 
 def give_first_microbatch(model, labels) -> tuple[list[torch.Tensor], StepCost]:
@@ -105,16 +103,7 @@ def give_first_microbatch(model, labels) -> tuple[list[torch.Tensor], StepCost]:
     give_gradients(model)
     with cost:
         end_first_backward(model)
-    held = []
-    for m in model.modules():
-        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None
-        for fp in group.fsdp_params if group is not None else ():
-            grad = fp.unsharded_accumulated_grad
-            if grad is None and hasattr(fp, "_unsharded_param"):
-                grad = fp._unsharded_param.grad  # (the reduce dtype is the weights': no copy of its own)
-            if grad is not None:
-                held.append(grad)
-    return held, cost
+    return accumulated_grads(model, resharded=True), cost
 
 
 def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: bool = False,
