@@ -15,6 +15,9 @@ from launch import ROOT, run_one, plan_and_measure
 from torchmeg.config.schema import ConfigError, load_config
 from torchmeg.train.validate import validate
 
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from plan_first_microbatch_check import numbers  # noqa: E402 (every number of a plan, by its path)
+
 RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
 # (One process was checked too, and agrees exactly; left out of the suite for time: the FSDP 2 case
 # runs the same code with sharding on top.)
@@ -283,15 +286,6 @@ def test_async_tp_plans_tp_traffic_under_the_matmuls(tmp_path):
     assert got == pytest.approx(want) and got < sum(t.values())
 
 
-def _numbers(x, path=""):
-    """Every number of a plan, by its path."""
-    if isinstance(x, dict):
-        return {k: v for key, val in x.items() for k, v in _numbers(val, f"{path}.{key}").items()}
-    if isinstance(x, list):
-        return {k: v for i, val in enumerate(x) for k, v in _numbers(val, f"{path}[{i}]").items()}
-    return {path: x} if isinstance(x, (int, float)) and not isinstance(x, bool) else {}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("world,layout,given", [
     # FSDP in fp32: autograd accumulates into the unsharded gradient (its AccumulateGrad ops)
@@ -334,7 +328,7 @@ def test_a_given_first_microbatch_plans_as_a_traced_one(world, layout, given, tm
         return
     monkeypatch.setattr(trace_step, "first_microbatch_given", lambda model, accum: False)
     plans["traced"] = plan(load_config(recipe, args), world, "h100", isolate=True)
-    got, want = (_numbers({k: v for k, v in plans[h].items() if k != "dry_run_s"}) for h in ("given", "traced"))
+    got, want = (numbers({k: v for k, v in plans[h].items() if k != "dry_run_s"}) for h in ("given", "traced"))
     assert got.keys() == want.keys()
     memory = ("peak_bytes", "peak_tensor_bytes", "need_bytes", "activation_bytes", "grad_bytes")
     for key, v in want.items():

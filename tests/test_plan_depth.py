@@ -17,6 +17,7 @@ from launch import ROOT, run_one
 from torchmeg.config.schema import load_config
 from torchmeg.models.args import instantiate
 from torchmeg.plan import depth
+from torchmeg.plan.trace_step import peak_phase
 from torchmeg.train.validate import validate
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -90,6 +91,59 @@ def test_combination_of_sampled_traces_is_the_whole_step(seed):
         for t in traces:  # the pipeline split of the kept layers: each stage keeps its first and last
             if split:
                 assert sum(t.stage_layers) == len(t.keep) and all(c >= 1 for c in t.stage_layers)
+
+
+def _segments(keep: list[str], kinds: dict[str, int]) -> dict:
+    """A synthetic one-microbatch step's memory as the tracker keeps it (memory.step_memory): at each
+    layer's backward, the activations of the layers still to come (its own too), the gradients of those
+    done, its own transient, the weights of the layer before it gathered (FSDP's prefetch) and the
+    gradients the layer after it just made, each by kind; then the update."""
+    out = {}
+    for i in reversed(range(len(keep))):
+        prev = 11 * (kinds[keep[i - 1]] + 1) if i > 0 else 0
+        after = 5 * (kinds[keep[i + 1]] + 3) if i + 1 < len(keep) else 0
+        out[f"backward {keep[i]} #0"] = {"Total": sum(7 * (kinds[k] + 1) for k in keep[:i + 1]) + prev + after
+                                         + sum(3 * (kinds[k] + 2) for k in keep[i + 1:]) + 13 * (kinds[keep[i]] + 1)}
+    out["update"] = {"Total": sum(3 * (kinds[k] + 2) for k in keep) + 17}
+    return {"step": {"memory_phases": out}}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_traced_segment_scales_to_the_one_it_stands_for(seed):
+    """Without a pipeline: each backward segment the combination keeps equals, at full depth, the segment of
+    the layer it stands for (a layer's own; a kind's first or last middle layer, which one traced middle
+    layer may stand for both: depth.one_middle_per_kind), with a layer's neighbours weighing in by kind, and
+    the peak is the full step's where a kind's middle layers sit among neighbours of one pattern. A model
+    whose kinds' middle layers have neighbours the smaller base cannot reproduce (dense then MoE) is traced
+    as before (the first and last middle layer of each kind)."""
+    rng = random.Random(seed)
+    n = rng.randint(5, 80)
+    pattern = ["one", "alternate", "prefix", "random"][seed % 4]
+    kind = {"one": lambda i: 0, "alternate": lambda i: i % 2, "prefix": lambda i: 0 if i < 3 else 1,
+            "random": lambda i: rng.randint(0, 2)}[pattern]
+    kinds = {str(i): kind(i) for i in range(n)}
+    keys = list(kinds)
+    traces = depth.sample(kinds, None)
+    if pattern == "prefix" or (pattern == "alternate" and n % 2):  # (neighbours the smaller base cannot keep)
+        assert all(t.roles is None for t in traces), (pattern, n)
+    if traces[0].roles is None:  # (the first and last middle layer of each kind traced: the layers their
+        return  # neighbours are, but for an added one, as at full depth: test_sampled_plan_equals_the_plan_of_every_layer)
+    pieces = [depth.by_role(_segments([k for k in keys if t.keep is None or k in t.keep], kinds), t.roles) for t in traces]
+    got = depth.combine(pieces, [t.coeff for t in traces])["step"]["memory_phases"]
+    want = _segments(keys, kinds)["step"]["memory_phases"]
+    middle = {}
+    for k in keys[1:-1]:
+        middle.setdefault(kinds[k], []).append(k)
+    for name, snap in got.items():
+        layer = name.removeprefix("backward ").rpartition(" #")[0] if name.startswith("backward ") else None
+        if layer and layer.startswith(("first middle of kind ", "last middle of kind ")):
+            ms = middle[int(layer.rsplit(" ", 1)[1])]
+            layer = ms[0] if layer.startswith("first") else ms[-1]
+        assert snap == want[f"backward {layer} #0" if layer else name], (pattern, n, name)
+    if pattern != "random":
+        assert peak_phase(got) == peak_phase(want), (pattern, n)
+    if pattern in ("one", "alternate") and n >= 9:  # (the base: the first and last layer, one middle layer a kind)
+        assert traces[0].roles and len(traces[0].keep) == 2 + len(set(kinds.values()))
 
 
 def test_an_op_with_flops_that_changes_with_the_depth_is_refused():

@@ -88,6 +88,48 @@ def test_a_device_query_stops_at_the_step_cost(monkeypatch):
     assert below_all.devices == alone.devices and cost_all.ops == cost.ops and g_all.device == g.device
 
 
+def test_ops_that_allocate_nothing_pass_the_memory_tracker(monkeypatch):
+    """Views, profiler ranges and other ops that make no storage go from StepCost past the memory tracker
+    below it (memory.step_memory's `past`): the tracker ends with the same current and peak bytes by
+    category as when every op reaches it. What its dispatch would still do is done: a view of a storage
+    it does not hold yet (made before it was entered) reaches it, which starts holding it, and a storage
+    grown since the last op (as FSDP resizes its unsharded parameters) is in the peak though only a view
+    runs before it shrinks again."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory
+
+    def run(skip: bool):
+        with FakeTensorMode():
+            before = torch.randn(256, 64)  # (made before the tracker: untracked until an op's output views it)
+            mt = step_memory()
+            reached = []
+            original = type(mt).__torch_dispatch__
+
+            def counted(self, func, types, args=(), kwargs=None):
+                reached.append(str(func))
+                return original(self, func, types, args, kwargs)
+            monkeypatch.setattr(type(mt), "__torch_dispatch__", counted)
+            with mt, StepCost(memory=mt if skip else None):
+                w = torch.randn(64, 64, requires_grad=True)
+                with torch.profiler.record_function("block"):
+                    h = (before.view(16, 16, 64) @ w).transpose(0, 1).reshape(-1, 64)
+                h.sum().backward()
+                grown = torch.empty(1000)
+                grown.untyped_storage().resize_(400_000)  # (counted by the tracker's resize_, not at an op)
+                grown.view(-1)
+                grown.untyped_storage().resize_(4000)
+                torch.empty(10)
+            return reached, peak_bytes(mt), {c: current_bytes(mt, c) for c in ("Total", "Activation", "Temp")}
+    reached_all, peak_all, now_all = run(skip=False)
+    reached, peak, now = run(skip=True)
+    assert peak == peak_all and now == now_all, (peak, peak_all, now, now_all)
+    assert peak["Total"] >= 400_000 + 64 * 64 * 4 and now["Total"] >= 256 * 64 * 4  # (the grown storage; `before` held)
+    passed = [f for f in reached_all if f not in reached or reached.count(f) < reached_all.count(f)]
+    assert {"aten.view.default", "aten.transpose.int", "profiler._record_function_enter_new.default"} <= set(passed)
+    assert reached.count("aten.view.default") == 1  # (the view of `before`, which the tracker then holds)
+    assert len(reached) < len(reached_all)
+
+
 def test_a_collectives_wait_is_not_memory_traffic():
     """A functional all-gather of a 16 MiB bf16 shard over 8 ranks, its wait, then a multiply of the
     gathered 128 MiB: the collective is counted once (its buffer, 7/8 of it on the wire; none of it

@@ -15,9 +15,12 @@ scaled segment by segment (the backward split at every traced block, memory.step
 a rank holds the activations of the blocks still to come and the gradients of those done, so over a
 run of blocks of one kind the bytes change linearly and peak at the run's first or last block, both
 traced (the 70B plan at FSDP 64 peaks in the second-to-last block's backward, 0.8 GiB above the last
-one's). Layers of kinds with the same m_k go into one trace together, so llama3_70b (80 layers, one
-kind) traces 4 + 5 layers, gpt-oss (windowed and full alternating) 6 + 8, a DeepSeek-V3 stage (dense
-then MoE: its 3 dense layers all in the base) 6 + 7.
+one's). Layers of kinds with the same m_k go into one trace together, so a DeepSeek-V3 stage (dense then
+MoE: its 3 dense layers all in the base) traces 6 + 7 layers. Without a pipeline a smaller base does
+where each traced layer's neighbours are of the kinds its full-depth counterpart's are
+(`one_middle_per_kind`): one middle layer of each kind, standing for both its first and its last,
+then the last added: llama3_70b (80 layers, one kind) 3 + 4 layers, gpt-oss (windowed and full
+alternating) 4 + 6.
 
 What is traced is still the real program: the trainer's build with the layers not kept removed from
 the model before the pipeline split and parallelize(), then one step on fake tensors. Every number
@@ -47,6 +50,8 @@ class Trace:
     coeff: int
     stages: set[int] | None = None  # the stages this trace adds a layer to (None: the base, every stage)
     work: int = 0  # layers its jobs build: of the stages it adds to
+    # layer key -> the memory segments its backward stands for, where not its own (one_middle_per_kind)
+    roles: dict[str, tuple[str, ...]] | None = None
 
 
 def signature(block: nn.Module) -> tuple:
@@ -79,9 +84,19 @@ def layer_kinds(whole: nn.Module, spec, cfg) -> dict[str, int] | None:
 
 def sample(kinds: dict[str, int] | None, stage_layers: tuple[int, ...] | None) -> list[Trace]:
     """The traces whose combination is the whole step (see the module doc). `stage_layers`: the
-    pipeline's layers per stage (None without PP: one stage of every layer)."""
+    pipeline's layers per stage (None without PP: one stage of every layer). Without a pipeline, the
+    traces of one middle layer per kind where they hold (one_middle_per_kind): fewer layers."""
     if kinds is None:
         return [Trace(None, stage_layers, 1)]
+    ends = _first_and_last_middle(kinds, stage_layers)
+    if stage_layers is None:
+        fewer = one_middle_per_kind(kinds)
+        if fewer is not None and sum(t.work for t in fewer) < sum(t.work or len(kinds) for t in ends):
+            return fewer
+    return ends
+
+
+def _first_and_last_middle(kinds: dict[str, int], stage_layers: tuple[int, ...] | None) -> list[Trace]:
     keys = list(kinds)
     counts = list(stage_layers) if stage_layers is not None else [len(keys)]
     starts = [sum(counts[:i]) for i in range(len(counts))]
@@ -115,6 +130,75 @@ def sample(kinds: dict[str, int] | None, stage_layers: tuple[int, ...] | None) -
     if sum(t.work for t in traces) >= len(keys):  # stages of a few layers: tracing them all is less
         return [Trace(None, stage_layers, 1)]
     return traces
+
+
+def one_middle_per_kind(kinds: dict[str, int]) -> list[Trace] | None:
+    """The step without a pipeline from a base of the first and the last layer and *one* middle layer of
+    each kind with three or more (every middle layer of a kind with fewer), and the base plus the last
+    middle layer of each such kind (one trace per distinct count, as above): R(all) = R(base) +
+    sum_k (n_k - 1) (R(base + one of kind k) - R(base)). Memory is scaled segment by segment as before,
+    a segment named by what it stands for: the base's one middle layer of a kind stands for both the
+    first and the last middle layer of that kind (`roles`), the larger trace's two for one each; over a
+    run of a kind's blocks the held bytes change by one block's activations or gradients per block, so
+    both ends scale on their lines from one block to two as from two to three. That holds where each
+    traced layer's neighbours (the blocks whose backward comes just before and after its own: FSDP's
+    prefetch, the gradients just made) are of the kinds its full-depth counterpart's are; else None (the
+    first and last middle layers are traced, above). gpt-oss (windowed and full attention alternating):
+    4 + 6 layers for 6 + 8; a Llama 3 + 4 for 4 + 5; DeepSeek-V3 (its one-kind middle of MoE blocks follows
+    the dense ones) as above."""
+    keys = list(kinds)
+    if len(keys) < 3:
+        return None
+    middle: dict[int, list[str]] = {}
+    for k in keys[1:-1]:
+        middle.setdefault(kinds[k], []).append(k)
+    base = {keys[0], keys[-1]}
+    extra: dict[int, list[int]] = {}  # weight -> the kinds whose last middle layer that trace adds
+    for kind, ms in middle.items():
+        if len(ms) > 2:
+            base.add(ms[0])
+            extra.setdefault(len(ms) - 1, []).append(kind)
+        else:
+            base.update(ms)
+    if not extra:
+        return None
+    at = {k: i for i, k in enumerate(keys)}
+
+    def neighbours(order: list[str], i: int) -> tuple:
+        return (kinds[order[i - 1]] if i > 0 else None, kinds[order[i + 1]] if i + 1 < len(order) else None)
+    traces = []
+    for w, added in [(1 - sum(extra), [])] + sorted(extra.items()):
+        keep = base | {middle[kind][-1] for kind in added}
+        roles: dict[str, tuple[str, ...]] = {}
+        stands_for = {k: [k] for k in keep}  # traced layer -> the full-depth layers its segment stands for
+        for kind, ms in middle.items():
+            if len(ms) > 2:
+                first, last = f"first middle of kind {kind}", f"last middle of kind {kind}"
+                if ms[-1] in keep:
+                    roles[ms[0]], roles[ms[-1]] = (first,), (last,)
+                else:
+                    roles[ms[0]] = (first, last)
+                    stands_for[ms[0]] = [ms[0], ms[-1]]
+        order = [k for k in keys if k in keep]
+        for i, k in enumerate(order):
+            if any(neighbours(order, i) != neighbours(keys, at[f]) for f in stands_for[k]):
+                return None
+        traces.append(Trace(keep, None, w, {0} if added else None, len(keep), roles))
+    return traces
+
+
+def by_role(piece: dict, roles: dict[str, tuple[str, ...]] | None) -> dict:
+    """A non-pipeline trace's piece with its backward segments named by what they stand for
+    (one_middle_per_kind): "backward <layer> #<n>" under each of its layer's roles."""
+    if not roles:
+        return piece
+    step = piece["step"]
+    phases = {}
+    for name, snap in step["memory_phases"].items():
+        layer, sep, n = name.removeprefix("backward ").rpartition(" #")
+        for role in (roles.get(layer, (layer,)) if name.startswith("backward ") and sep else (None,)):
+            phases[name if role is None else f"backward {role} #{n}"] = snap
+    return dict(piece, step=dict(step, memory_phases=phases))
 
 
 class NotLinear(Exception):

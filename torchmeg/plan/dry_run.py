@@ -102,7 +102,7 @@ class DryRun:
         out = []
         for g in self.groups:
             try:
-                m = depth.combine([self._piece(pieces, g[0], i) for i in range(len(sampled))],
+                m = depth.combine([depth.by_role(self._piece(pieces, g[0], i), t.roles) for i, t in enumerate(sampled)],
                                   [t.coeff for t in sampled])
                 m["traced_layers"] = traced
             except depth.NotLinear:  # (no recipe does this; such a model is still planned, tracing every layer)

@@ -81,6 +81,7 @@ def measure_stage(part, opt, labels, x, loss_fn, y, n_micro: int, kw: dict, resh
     # an activation when the forward reads it) and the output gradient's bytes come off the backward's
     # transient; both are `recv_bytes`, n_micro of each.
     mt.track_external(part, opt, *accumulated_grads(part), *([x] if received else []))
+    cost.memory = mt
     with mt, cost:
         base = current_bytes(mt)
         out_bytes, after_fwd, fwd_peak, grad_bytes = _microbatch(part, x, kw, loss_fn, y, mt)

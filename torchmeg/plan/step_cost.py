@@ -139,9 +139,10 @@ class StepCost(CommDebugMode):
     for ops with FLOPs, `kind` one of matmul / attention / attention_causal / memory, `fused bytes`
     what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion)."""
 
-    def __init__(self, group_labels: dict[str, str] | None = None):
+    def __init__(self, group_labels: dict[str, str] | None = None, memory=None):
         super().__init__()
         self.labels = group_labels or {}
+        self.memory = memory  # the memory tracker (memory.step_memory) just below this mode, if any
         self.ops = []
         self.op_names = []
         # per op: whether it adds a microbatch's gradient into the one accumulated (autograd's
@@ -218,7 +219,9 @@ class StepCost(CommDebugMode):
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
             return NotImplemented
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        # (an op the memory tracker below would count nothing of runs past it: memory.step_memory's past)
+        passed = self.memory.past(func, args, kwargs) if self.memory is not None else None
+        out = passed[0] if passed is not None else func(*args, **kwargs)
         if isinstance(func, torch._ops.HigherOrderOperator) or active_fake_mode() is not self._fake_on_entry:
             return out  # (DTensor's sharding propagation runs ops under a fake mode of its own)
         packet = func._overloadpacket

@@ -123,7 +123,7 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
     mt = step_memory(marks)
     mt.track_external(*model_parts, optimizer, *(held or []), *first_held)
     del first_held
-    cost = StepCost(labels)
+    cost = StepCost(labels, memory=mt)
     if microbatches is not None:
         microbatches.cost, microbatches.memory = cost, mt
     own = vars(optimizer).get("step")
