@@ -91,6 +91,7 @@ def sample(kinds: dict[str, int] | None, stage_layers: tuple[int, ...] | None) -
     ends = _first_and_last_middle(kinds, stage_layers)
     if stage_layers is None:
         fewer = one_middle_per_kind(kinds)
+        # (a trace of every layer has no work figure: it builds them all)
         if fewer is not None and sum(t.work for t in fewer) < sum(t.work or len(kinds) for t in ends):
             return fewer
     return ends
@@ -196,8 +197,11 @@ def by_role(piece: dict, roles: dict[str, tuple[str, ...]] | None) -> dict:
     phases = {}
     for name, snap in step["memory_phases"].items():
         layer, sep, n = name.removeprefix("backward ").rpartition(" #")
-        for role in (roles.get(layer, (layer,)) if name.startswith("backward ") and sep else (None,)):
-            phases[name if role is None else f"backward {role} #{n}"] = snap
+        if not (name.startswith("backward ") and sep and layer in roles):
+            phases[name] = snap  # (the update, the first and the last layer, a kind's unscaled layers)
+            continue
+        for role in roles[layer]:
+            phases[f"backward {role} #{n}"] = snap
     return dict(piece, step=dict(step, memory_phases=phases))
 
 

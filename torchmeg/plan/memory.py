@@ -53,15 +53,16 @@ def step_memory(marks: dict | None = None):
             dispatch does is still done: its peak brought up to date (a storage resized since the last
             op, as FSDP's unsharded parameters are, counts from the next op on), and a view of a storage
             it does not hold yet is left to it (MemTracker starts holding a storage made before it was
-            entered, e.g. a batch, at the first op whose output views it). ~45% of a tracker's ops in a
-            gpt-oss trace (views, profiler ranges, .item()); 5-7% of its time (docs/planning.md)."""
+            entered, e.g. a batch, at the first op whose output views it). ~45% of the ops that reach a
+            tracker in a gpt-oss trace (views, profiler ranges, .item()); ~4% of the trace's time
+            (docs/planning.md)."""
             if not allocates_nothing(func) or _get_current_dispatch_mode() is not self:
                 return None
             with _pop_mode_temporarily():
                 out = func(*args, **kwargs)
             if active_fake_mode() is not self._fake_mode_on_entry:  # (DTensor's sharding propagation: never counted)
                 return (out,)
-            if any(st not in self._WINFO for t in _tensors(out) for st in get_untyped_storages(t)):
+            if any(st not in self._WINFO for t in tensors(out) for st in get_untyped_storages(t)):
                 return None  # (a view runs again, through the tracker: it has no effect of its own)
             self._update_peak_stats(_ModState.PEAK_BW if self._mod_tracker.is_bw else _ModState.PEAK_FW)
             return (out,)
@@ -73,8 +74,9 @@ def step_memory(marks: dict | None = None):
 @functools.lru_cache(maxsize=None)
 def allocates_nothing(func) -> bool:
     """An op that makes no storage: each of its outputs is a view of an input (an alias that writes
-    nothing) or it returns no tensor at all (a profiler range, a scalar read). Views only: one whose
-    outputs hold no tensor may do something of its own (enter a profiler range), so it is run once."""
+    nothing) or it returns no tensor at all (a profiler range, a scalar read). Only a view is ever run a
+    second time (StepMemory.past hands it back): an op that returns no tensor may do something of its own
+    (enter a profiler range) and has no output the tracker could need to hold."""
     if not isinstance(func, torch._ops.OpOverload):
         return False
     returns = func._schema.returns
@@ -82,12 +84,13 @@ def allocates_nothing(func) -> bool:
     return views or all("Tensor" not in str(r.type) for r in returns)
 
 
-def _tensors(x):
+def tensors(x):
+    """The tensors in an op's arguments or outputs (nested lists and tuples)."""
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (list, tuple)):
         for y in x:
-            yield from _tensors(y)
+            yield from tensors(y)
 
 
 def current_bytes(mt, category: str = "Total") -> int:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING, c10d
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils.flop_counter import flop_registry
 
+from torchmeg.plan.memory import tensors as _tensors
 from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
 
 aten = torch.ops.aten
@@ -105,14 +106,6 @@ def _group_name(args) -> str | None:
             except Exception:  # noqa: BLE001 - another kind of script object
                 continue
     return None
-
-
-def _tensors(x):
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
 
 
 # fusable_wire_bytes: the part of wire_bytes whose collective torch's async-TP pass could fuse with a
