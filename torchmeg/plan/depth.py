@@ -97,6 +97,14 @@ def sample(kinds: dict[str, int] | None, stage_layers: tuple[int, ...] | None) -
     return ends
 
 
+def _middle_by_kind(keys: list[str], kinds: dict[str, int]) -> dict[int, list[str]]:
+    """Kind -> the layers between the first and the last of `keys`, in order."""
+    middle: dict[int, list[str]] = {}
+    for k in keys[1:-1]:
+        middle.setdefault(kinds[k], []).append(k)
+    return middle
+
+
 def _first_and_last_middle(kinds: dict[str, int], stage_layers: tuple[int, ...] | None) -> list[Trace]:
     keys = list(kinds)
     counts = list(stage_layers) if stage_layers is not None else [len(keys)]
@@ -106,10 +114,7 @@ def _first_and_last_middle(kinds: dict[str, int], stage_layers: tuple[int, ...] 
     extra: dict[int, list[tuple[int, str]]] = {}  # weight -> (stage, layer key) added in that trace
     for s, ks in enumerate(stages):
         keep = {ks[0], ks[-1]} if ks else set()
-        middle: dict[int, list[str]] = {}
-        for k in ks[1:-1]:
-            middle.setdefault(kinds[k], []).append(k)
-        for kind, ms in middle.items():
+        for kind, ms in _middle_by_kind(ks, kinds).items():
             keep.update((ms[0], ms[-1]))
             if len(ms) > 2:
                 extra.setdefault(len(ms) - 2, []).append((s, ms[1]))
@@ -150,9 +155,7 @@ def one_middle_per_kind(kinds: dict[str, int]) -> list[Trace] | None:
     keys = list(kinds)
     if len(keys) < 3:
         return None
-    middle: dict[int, list[str]] = {}
-    for k in keys[1:-1]:
-        middle.setdefault(kinds[k], []).append(k)
+    middle = _middle_by_kind(keys, kinds)
     base = {keys[0], keys[-1]}
     extra: dict[int, list[int]] = {}  # weight -> the kinds whose last middle layer that trace adds
     for kind, ms in middle.items():
