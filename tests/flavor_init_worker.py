@@ -58,7 +58,7 @@ def check_flavor(recipe, model_name, flavor) -> dict:
         world = 8
     else:
         cfg = load_config(recipe, [])
-        world = recipe_world(cfg) if cfg.plan.world_size > 0 or cfg.parallelism.data_parallel_shard_degree != -1 else 1
+        world = recipe_world(cfg)[0]
     cfg.checkpoint.enable = False
     layout = validate(cfg, world, data=False)
     dims = layout.dims

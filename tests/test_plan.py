@@ -7,6 +7,7 @@ its step 2 measured by the same trackers.
 import glob
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -340,3 +341,28 @@ def test_a_given_first_microbatch_plans_as_a_traced_one(world, layout, given, tm
         assert abs(g["activation_bytes"] + g["grad_bytes"] - w["activation_bytes"] - w["grad_bytes"]) <= 64
         if world > 1:
             assert g["grad_bytes"] == w["grad_bytes"]
+
+
+def test_recipe_world_is_what_the_trainer_runs_without_a_launcher():
+    """data_parallel_shard_degree = -1 takes the launcher's world; without --world the plan is the
+    run `python -m torchmeg.train` makes without a launcher: one process per fixed degree."""
+    from torchmeg.config.schema import load_config
+    from torchmeg.plan.planner import recipe_world
+    world, how = recipe_world(load_config(RECIPE, []))
+    assert world == 1 and "data_parallel_shard_degree = -1" in how and "--world N" in how
+    assert recipe_world(load_config(RECIPE, ["--parallelism.tensor_parallel_degree=2",
+                                             "--parallelism.pipeline_parallel_degree=2"]))[0] == 4
+    assert recipe_world(load_config(RECIPE, ["--parallelism.data_parallel_shard_degree=2",
+                                             "--parallelism.tensor_parallel_degree=2"])) == (4, "the recipe's degrees")
+    assert recipe_world(load_config(RECIPE, ["--plan.world_size=16"])) == (16, "plan.world_size")
+
+
+@pytest.mark.slow
+def test_plan_of_the_default_recipe_needs_no_world():
+    """Right after training the default recipe, `python -m torchmeg.plan --config` it: planned at
+    world 1 (the header says why), no '--world' asked for."""
+    p = _plan(["--config", "recipes/debug_llama.toml"], timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("world 1: parallelism.data_parallel_shard_degree = -1 takes the launcher's world"), first
+    assert re.search(r"^plan  debug_llama: .*single device", p.stdout, re.M), p.stdout[:2000]

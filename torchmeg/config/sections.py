@@ -165,6 +165,9 @@ class Compile:
     enable: bool = _f(False)
     components: list = _f(["model", "loss"])
     cache_dir: str = _f("", help="inductor's kernel cache; '' = TORCHINDUCTOR_CACHE_DIR or torch's default")
+    verify_cache: bool = _f(False, help="run the first step once more in eager mode beside the compiled one and "
+                            "stop if the loss or grad norm differ beyond compile's rounding (a compiled "
+                            "program, cached or fresh, that computes something else)")
 
 
 @dataclass

@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import json
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,7 @@ class HFCausalLM(nn.Module):
                 raise
             raise ConfigError(f"model.hf_attn_implementation = {args.attn_implementation!r}: {args.model_type} does "
                               f"not support it in transformers; set model.hf_attn_implementation = \"eager\"") from None
+        unroute_hub_kernels(hf)
         prefix = hf.base_model_prefix
         lm_head = hf.get_output_embeddings()
         if not prefix or not hasattr(hf, prefix) or lm_head is None:
@@ -254,6 +256,28 @@ class HFCausalLM(nn.Module):
         return sp + plan
 
 
+def unroute_hub_kernels(model: nn.Module) -> int:
+    """Give each module whose class the `kernels` package's `use_kernelized_func` wrapped its
+    class's own forward back; returns how many.
+
+    With `kernels` installed (transformers >= 5.25 pulls it in), transformers decorates attention
+    classes so that every forward first sets a ContextVar naming the module's private kernel
+    wrappers (kernels/_internals/layer/layer.py, `_ACTIVE_KERNEL_FUNCS.set`), then calls the
+    class's forward. torchmeg never calls `kernelize()`, so those wrappers run transformers' torch
+    functions (a function module with no active wrapper calls the plain function): the routing
+    computes nothing different, but a ContextVar set inside a compiled, recomputed block is a side
+    effect dynamo refuses ("HOP: Unsafe side effect ... checkpoint"), a hard error in a block
+    compiled fullgraph. The wrapper marks its instances with `_kernel_funcs`; functools.wraps
+    keeps the class's forward as `__wrapped__`."""
+    n = 0
+    for m in model.modules():
+        wrapped = getattr(type(m).forward, "__wrapped__", None)
+        if "_kernel_funcs" in m.__dict__ and wrapped is not None:
+            m.forward = types.MethodType(wrapped, m)
+            n += 1
+    return n
+
+
 def _under(pattern: str, prefix: str) -> bool:
     """Whether plan pattern `pattern` names a module inside `prefix` (both may hold '*')."""
     p, q = pattern.split("."), prefix.split(".")
@@ -286,8 +310,9 @@ def _cpu_stand_in(mod: nn.Module, params: dict, keep_buffers: bool = False) -> n
     return stand_in
 
 
-# HF tensor-parallel plan styles -> torchmeg roles (torchmeg.parallel.tensor). Other styles (packed,
-# local_*, gather, expert styles) have no torchmeg equivalent yet: refused by name.
+# HF tensor-parallel plan styles -> torchmeg roles (torchmeg.parallel.tensor); `mla_kv_a_proj` (MLA's
+# joint KV down-projection, transformers >= 5.25) -> head_shared_tail:<qk_rope_head_dim>. Other styles
+# (packed, local_*, gather, expert styles) have no torchmeg equivalent yet: refused by name.
 _HF_STYLES = {
     "colwise": "colwise",
     "rowwise": "rowwise",
@@ -309,6 +334,10 @@ def tp_plan_from_hf(config, base_prefix: str = "model", embed_fqn: str = "model.
             # experts whole on each TP rank and spreads them with expert parallel instead
             continue
         role = _HF_STYLES.get(style)
+        if style == "mla_kv_a_proj" and getattr(config, "qk_rope_head_dim", 0):
+            # MLA's [compressed KV | rotary key] down-projection, replicated: the rotary key's
+            # gradient summed over tp (transformers' MlaKvAProjParallel: _AllReduceBackward on it)
+            role = f"head_shared_tail:{config.qk_rope_head_dim}"
         if role is None:
             raise ValueError(f"{config.model_type}: TP plan style {style!r} (for {pattern!r}) has no torchmeg "
                              f"equivalent; supported: {', '.join(_HF_STYLES)}; use tensor_parallel_degree = 1 or "

@@ -1,6 +1,7 @@
 """The run header rank 0 prints before step 1: what runs, on what, from where, at what peak."""
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -58,6 +59,7 @@ def header_lines(tr) -> list[str]:
         + (f" | {tr.built.stage_desc}" if tr.built.schedule is not None else ""),
         *_node_lines(d),
         f"parallel   {tr.built.report}",
+        *_compile_lines(c),
         *_lora_lines(c, whole, n),
         f"init       {tr.init_note}",
         f"batch      {layout.local_batch} {unit} x dp {d.dp} x accum {layout.accum} = {layout.global_batch} "
@@ -69,6 +71,21 @@ def header_lines(tr) -> list[str]:
         f"loss       {_loss_line(c, tr.built, layout)}",
         f"peak       {tr.peak / 1e12:.3f} TFLOP/s per rank ({tr.peak_source})",
     ]
+
+
+def _compile_lines(cfg) -> list[str]:
+    """Where compiled programs come from: the caches torch reads (on, off, where) and the key tag
+    that keeps each rank's entries apart (torchmeg.parallel.compile.rank_cache_key_tag)."""
+    if not cfg.compile.enable:
+        return []
+    from torch._functorch import config as aot_config
+    from torch._inductor import config as inductor_config
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    tag = torch.compiler.config.cache_key_tag
+    return [f"compile    {', '.join(cfg.compile.components)}; caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '?')}: "
+            f"inductor's FX graphs {on(inductor_config.fx_graph_cache)}, AOTAutograd's "
+            f"{on(aot_config.enable_autograd_cache)}; key tag {tag or 'none'}"
+            + ("; step 1 verified against eager (compile.verify_cache)" if cfg.compile.verify_cache else "")]
 
 
 def _schedule(cfg) -> str:

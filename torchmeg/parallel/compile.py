@@ -6,6 +6,7 @@ the graphs.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 
 import torch
@@ -26,7 +27,45 @@ def setup(cache_dir: str = "") -> None:
     ATEN_CPU_CAPABILITY=avx2, trains NaN from step 1 (measured: every loss NaN on the debug model;
     correct with a cache of its own)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = isa_cache_dir(cache_dir or os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+    torch.compiler.config.cache_key_tag = rank_cache_key_tag()
     torch._logging.set_logs(recompiles=True)
+
+
+# The user's own tag (TORCH_COMPILE_CACHE_KEY_TAG), read once: setup() runs once per compiled part.
+_USER_TAG = torch.compiler.config.cache_key_tag
+
+
+def rank_cache_key_tag() -> str:
+    """The tag torch adds to every compile cache key (`torch.compiler.config.cache_key_tag`): the
+    user's own, plus, in a job of more than one rank, this rank and every process group it belongs
+    to (name and members).
+
+    Why: AOTAutograd's cache keys a graph by the dynamo graph and its inputs' metadata; a DTensor's
+    part of that key is its mesh and placements (DeviceMesh._stable_hash: the whole mesh's rank map
+    and layout), the same on every rank. What differs by rank comes in only when AOTAutograd traces
+    the DTensor into local ops: this rank's mesh coordinate (a vocab shard's offset under
+    loss_parallel, a TP embedding's mask) and the process group each collective names. So, on one
+    cache folder, a rank's second run loads whichever rank's program was written last: TP 2 trained
+    from a loss of 12.47 where the cold run had 6.08, and TP 2 x FSDP 2 stopped with 'Could not
+    resolve the process group registered under the name 16' (torch 2.13.0; docs/limits.md has the
+    14-line reproduction without torchmeg; pytorch/pytorch#188390, whose fix keys the local tensor's
+    device, which on a CPU, or on two nodes' cuda:0, is the same on every rank). Inductor's own FX
+    graph cache keys the traced graph, where both are written, and was never wrong.
+
+    With this tag each rank keeps and finds its own entries (a second run of the same layout is as
+    warm as before; ranks no longer share entries, which a cold start compiled on each rank anyway),
+    and a program whose process groups are numbered otherwise (another layout, a job that made its
+    groups in another order) misses rather than naming another rank's groups."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+            or torch.distributed.get_world_size() == 1 or os.environ.get("TORCHMEG_TEST_SHARED_CACHE_KEYS"):
+        return _USER_TAG  # (the test hook: torch's own keys, to show compile.verify_cache catching them)
+    from torch.distributed import distributed_c10d as c10d  # (its registry of groups: name and members)
+    rank = torch.distributed.get_rank()
+    groups = sorted((name, tuple(sorted(c10d._world.pg_group_ranks.get(pg, {}))))
+                    for pg, name in c10d._world.pg_names.items())
+    digest = hashlib.blake2b(repr(groups).encode(), digest_size=8).hexdigest()
+    tag = f"rank{rank}of{torch.distributed.get_world_size()}-groups-{digest}"
+    return f"{_USER_TAG}-{tag}" if _USER_TAG else tag
 
 
 def isa_cache_dir(base: str) -> str:

@@ -17,6 +17,8 @@ A plan is a list of (FQN pattern, role); '*' matches one path component. Roles:
                        on every rank, which column-parallel consumers and head_shared make it
   head_shared          an identity on a tensor every head reads (MLA's rotary key): each rank's heads
                        give part of its gradient, summed over tp in backward (no forward traffic)
+  head_shared_tail:N   a replicated module whose output's last N features every head reads (MLA's
+                       joint KV down-projection, transformers' `mla_kv_a_proj`): head_shared on them
   sp_replicated        a module computed whole on every TP rank: input gathered, output re-sharded
                        (SP only)
   experts_over_tp      a MoE layer on this rank's sequence shard (SP only): router and shared experts
@@ -54,6 +56,12 @@ from torchmeg.models.tying import get_param_owner, retie, tied_pairs
 ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_local", "sp_input", "sp_input_local",
          "sp_replicated", "experts_over_tp", "colwise", "rowwise", "output", "replicate_grad_allreduce",
          "head_shared", "head_sharded")
+
+
+def _is_tail_role(role: str) -> bool:
+    """head_shared_tail:N, N a positive count of features."""
+    kind, _, n = role.partition(":")
+    return kind == "head_shared_tail" and n.isdigit() and int(n) > 0
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -137,16 +145,36 @@ class _ShardHeads(ParallelStyle):
                                  output_fn=lambda mod, out, mesh: _local_part(out))
 
 
+def _grad_summed(x: torch.Tensor, device_mesh) -> torch.Tensor:
+    """x unchanged; in backward its gradient, a partial sum on each rank, is summed over the group
+    (to_local's grad_placements mark it Partial; from_local's backward reduces it)."""
+    return DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
 class _SumGradOverTP(ParallelStyle):
-    """head_shared: forward unchanged; the input's gradient, a partial sum on each rank, is summed
-    over the group (to_local's grad_placements mark it Partial; from_local's backward reduces it)."""
+    """head_shared: forward unchanged; the input's gradient is summed over the group."""
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def pre_hook(mod, args):
-            x = DTensor.from_local(args[0], device_mesh, (Replicate(),), run_check=False)
-            return (x.to_local(grad_placements=(Partial(),)),) + tuple(args[1:])
+        module.register_forward_pre_hook(lambda mod, args: (_grad_summed(args[0], device_mesh),) + tuple(args[1:]))
+        return module
 
-        module.register_forward_pre_hook(pre_hook)
+
+class _SumTailGradOverTP(ParallelStyle):
+    """head_shared_tail:N: a replicated module whose output's last N features every head reads
+    (MLA's kv_a_proj_with_mqa: [compressed KV | rotary key], transformers' `mla_kv_a_proj`). The
+    compressed part feeds a column-parallel projection, whose input gradient is already whole on
+    every rank; the rotary key's gradient comes from this rank's heads only and is summed over tp."""
+
+    def __init__(self, tail: int):
+        super().__init__()
+        self.tail = tail
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def hook(mod, args, out):
+            head, tail = out.split([out.shape[-1] - self.tail, self.tail], dim=-1)
+            return torch.cat([head, _grad_summed(tail, device_mesh)], dim=-1)
+
+        module.register_forward_hook(hook)
         return module
 
 
@@ -177,6 +205,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return _ReplicateGradAllReduce()
     if role == "head_shared":
         return _SumGradOverTP()
+    if role.startswith("head_shared_tail:"):
+        return _SumTailGradOverTP(int(role.split(":", 1)[1]))
     if role == "head_sharded":
         return _ShardHeads()
     if role == "sp_input_local" and sp:
@@ -222,8 +252,9 @@ def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp
     `matched`, if given, receives {pattern: number of modules it matched}."""
     out = {}
     for pattern, role in plan:
-        if role not in ROLES:
-            raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}")
+        if role not in ROLES and not _is_tail_role(role):
+            raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}, "
+                             f"head_shared_tail:N")
         n = 0
         for fqn, mod in model.named_modules():
             if fqn and mod is not None and fqn_matches(pattern, fqn):

@@ -103,7 +103,9 @@ def main(argv=None) -> int:
         cfg = load_config(a.config, rest)
         if a.measure:
             return measure_main(cfg, a.json)
-        world = a.world or recipe_world(cfg)
+        world, source = (a.world, "--world") if a.world else recipe_world(cfg)
+        if source.startswith("parallelism.") and not a.json:
+            print(f"world {world}: {source}", flush=True)
         gpu = (a.gpu or cfg.plan.gpu).lower()
         if gpu not in GPUS:
             raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)}")

@@ -22,17 +22,19 @@ from torchmeg.plan.predict import predict
 from torchmeg.train.validate import validate
 
 
-def recipe_world(cfg) -> int:
-    """The world a recipe's layout implies: its fixed degrees times data_parallel_shard_degree
-    (which must then be given), or plan.world_size."""
+def recipe_world(cfg) -> tuple[int, str]:
+    """The world a recipe's layout implies, and how it was found: plan.world_size; else its degrees'
+    product, where data_parallel_shard_degree = -1 (the launcher's world) counts 1 -- what
+    `python -m torchmeg.train` runs without a launcher (one process, or one per fixed degree)."""
     p = cfg.parallelism
     if cfg.plan.world_size > 0:
-        return cfg.plan.world_size
+        return cfg.plan.world_size, "plan.world_size"
+    fixed = (p.data_parallel_replicate_degree * p.context_parallel_degree * p.tensor_parallel_degree
+             * p.pipeline_parallel_degree)
     if p.data_parallel_shard_degree == -1:
-        raise ConfigError("parallelism.data_parallel_shard_degree = -1: the world comes from the launcher; give "
-                          "--world N to plan (or plan.world_size in the recipe)")
-    return (p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.context_parallel_degree
-            * p.tensor_parallel_degree * p.pipeline_parallel_degree)
+        return fixed, (f"parallelism.data_parallel_shard_degree = -1 takes the launcher's world: planned at world "
+                       f"{fixed}, as `python -m torchmeg.train` runs it without one (--world N plans another)")
+    return fixed * p.data_parallel_shard_degree, "the recipe's degrees"
 
 
 @dataclasses.dataclass

@@ -126,6 +126,10 @@ class DPOLoss:
             self.sums = s if self.sums is None else self.sums + s
         return loss
 
+    def discard_step(self) -> None:
+        """Forget the sums of the microbatches seen so far (compile.verify_cache's eager pass)."""
+        self.sums = None
+
     def step_metrics(self, group) -> dict:
         """The step's rewards over every pair of the global batch (one all-reduce of four numbers)."""
         if self.sums is None:

@@ -195,6 +195,10 @@ class GRPOLoss:
         g = gap.max().double().reshape(1)
         self.gap_max = g if self.gap_max is None else torch.maximum(self.gap_max, g)
 
+    def discard_step(self) -> None:
+        """Forget the sums of the microbatches seen so far (compile.verify_cache's eager pass)."""
+        self.sums = self.gap_max = None
+
     def step_metrics(self, group) -> dict:
         """The step's metrics over every token of the global batch (two small all-reduces)."""
         if self.sums is None:

@@ -22,6 +22,7 @@ from torchmeg.runtime import process as runtime
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function, mean_eval_loss
 from torchmeg.checkpoint.manager import CheckpointManager
 from torchmeg.parallel.compile import compile_loss, compile_summary
+from torchmeg.train.compile_check import check_against_eager, eager_reference
 from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepare_stores
 from torchmeg.data.sources import cache_dir
 from torchmeg.data.tokenizer import build_tokenizer
@@ -166,16 +167,12 @@ class Trainer:
     def train_step(self, batches) -> tuple[float, float, bool]:
         """Forward/backward over the step's microbatches, clip, update. -> (loss, grad_norm, stepped):
         not stepped when the loss or norm is non-finite, or a loss spike is skipped."""
-        loss_sum = self._forward_backward(batches)
-        with record_function("torchmeg: loss and grad norm"):
-            dist.all_reduce(loss_sum, group=self.loss_group)
-            loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
-            # Expert grads already sum the tokens of the whole ep group: divide by ep to match
-            # the data-parallel mean that FSDP applies to every other gradient.
-            for p in self.expert_params:
-                if p.grad is not None:
-                    p.grad.div_(self.dims.ep)
-            gn = grad_norm(self.params, [self.pp_group] if self.built.schedule is not None else []).item()
+        eager = None
+        if self.cfg.compile.enable and self.cfg.compile.verify_cache and self.state.step == self.start_step:
+            eager = eager_reference(self, batches)  # (compile.verify_cache: the run's first step, eager)
+        loss_val, gn = self.loss_and_norm(self._forward_backward(batches))
+        if eager is not None:
+            check_against_eager(self, eager, (loss_val, gn))
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         spike = self.state.spike
         self.spike_note = spike.observe(loss_val) if finite else None
@@ -194,6 +191,19 @@ class Trainer:
         if self.step_fn.pairs is not None:  # dpo: the step's rewards, margin, accuracy; grpo: clipping, KL, entropy
             self.objective_stats = self.step_fn.pairs.step_metrics(self.loss_group)
         return loss_val, gn, stepped
+
+    def loss_and_norm(self, loss_sum: torch.Tensor) -> tuple[float, float]:
+        """The step's loss (mean over the loss group) and gradient norm, from this rank's loss sum."""
+        with record_function("torchmeg: loss and grad norm"):
+            dist.all_reduce(loss_sum, group=self.loss_group)
+            loss_val = loss_sum.item() / dist.get_world_size(self.loss_group)
+            # Expert grads already sum the tokens of the whole ep group: divide by ep to match
+            # the data-parallel mean that FSDP applies to every other gradient.
+            for p in self.expert_params:
+                if p.grad is not None:
+                    p.grad.div_(self.dims.ep)
+            gn = grad_norm(self.params, [self.pp_group] if self.built.schedule is not None else []).item()
+        return loss_val, gn
 
     def _forward_backward(self, batches) -> torch.Tensor:
         """torchmeg.train.build.forward_backward, with the tests' fault hooks; step 1 is recorded op by op
