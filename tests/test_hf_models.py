@@ -205,3 +205,28 @@ def test_hf_tp_plan_translation_and_refusals():
     cfg.base_model_tp_plan = dict(cfg.base_model_tp_plan, **{"layers.*.mlp.gate_up_proj": "packed_colwise"})
     with pytest.raises(ValueError, match="'packed_colwise' \\(for 'layers.\\*.mlp.gate_up_proj'\\) has no torchmeg"):
         tp_plan_from_hf(cfg)
+
+
+def test_hf_mla_kv_a_proj_and_hub_kernel_routing():
+    """transformers >= 5.25: DeepSeek-V3's plan shards MLA's attention, its joint KV down-projection
+    styled `mla_kv_a_proj` (replicated, the rotary key's gradient summed over tp): torchmeg's
+    head_shared_tail:<qk_rope_head_dim>. And with `kernels` installed, transformers wraps attention
+    classes in a forward that sets a ContextVar (hub kernel routing), which a compiled, recomputed
+    block refuses: every such module of an HFCausalLM runs its class's own forward."""
+    import transformers
+    from hf_parity_worker import MOE
+    from torchmeg.models.hf_causal import HFCausalLM, args_from_config, tp_plan_from_hf
+    ds = transformers.DeepseekV3Config(**dict(TINY, **MOE["deepseek_v3"]))
+    ds.base_model_tp_plan = dict(ds.base_model_tp_plan or {}, **{"layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj"})
+    plan = dict(tp_plan_from_hf(ds))
+    assert plan["model.layers.*.self_attn.kv_a_proj_with_mqa"] == f"head_shared_tail:{ds.qk_rope_head_dim}"
+    with torch.device("meta"):
+        model = HFCausalLM(args_from_config(transformers.LlamaConfig(**TINY)))
+    routed = [m for m in model.modules() if "_kernel_funcs" in m.__dict__]
+    try:
+        import kernels  # noqa: F401  (transformers >= 5.25 installs it)
+        assert routed, "kernels is installed but no module carries its routing wrapper: the check below checks nothing"
+    except ImportError:
+        pass
+    for m in routed:
+        assert m.forward.__func__ is type(m).forward.__wrapped__, type(m).__name__

@@ -78,8 +78,8 @@ def _compile_lines(cfg) -> list[str]:
     that keeps each rank's entries apart (torchmeg.parallel.compile.rank_cache_key_tag)."""
     if not cfg.compile.enable:
         return []
-    from torch._functorch import config as aot_config
-    from torch._inductor import config as inductor_config
+    from torch._functorch import config as aot_config  # (lazy: inductor's import is ~1 s; only compiled runs)
+    from torch._inductor import config as inductor_config  # (lazy: as above)
     on = lambda flag: "on" if flag else "off"  # noqa: E731
     tag = torch.compiler.config.cache_key_tag
     return [f"compile    {', '.join(cfg.compile.components)}; caches in {os.environ.get('TORCHINDUCTOR_CACHE_DIR', '?')}: "

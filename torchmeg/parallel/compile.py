@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
+from torch.distributed import distributed_c10d as c10d  # (its registry of groups: name and members)
 
 from torchmeg.models.blocks import blocks
 from torchmeg.models.moe import is_grouped_experts
@@ -59,7 +60,6 @@ def rank_cache_key_tag() -> str:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_world_size() == 1 or os.environ.get("TORCHMEG_TEST_SHARED_CACHE_KEYS"):
         return _USER_TAG  # (the test hook: torch's own keys, to show compile.verify_cache catching them)
-    from torch.distributed import distributed_c10d as c10d  # (its registry of groups: name and members)
     rank = torch.distributed.get_rank()
     groups = sorted((name, tuple(sorted(c10d._world.pg_group_ranks.get(pg, {}))))
                     for pg, name in c10d._world.pg_names.items())

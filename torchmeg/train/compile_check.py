@@ -18,6 +18,7 @@ import torch
 
 from torchmeg.config.errors import ConfigError
 from torchmeg.train.build import forward_backward
+from torchmeg.train.router_stats import discard_router_stats
 
 # Compiled kernels fuse and reorder floating-point work: over one step, fp32 stays within ~1e-6
 # relative (the suite bounds 10 steps at 1e-4, tests/test_compiler.py); bf16 keeps 8 mantissa bits
@@ -32,10 +33,7 @@ def eager_reference(tr, batches) -> tuple[float, float]:
     with torch.compiler.set_stance("force_eager"):
         got = tr.loss_and_norm(forward_backward(tr.step_fn, batches))
     tr.optimizer.zero_grad(set_to_none=True)
-    for m in tr.moe_layers:
-        m.tokens_per_expert.zero_()
-    for m in tr.mtp_models:
-        m.mtp_loss.zero_()
+    discard_router_stats(tr.moe_layers, tr.mtp_models)
     if tr.step_fn.pairs is not None:
         tr.step_fn.pairs.discard_step()
     return got

@@ -48,3 +48,35 @@ def reduce_router_stats(moe_layers: list, mtp_models: list, args, dims, mesh, de
         if pp > 1:
             dist.all_reduce(mtp, group=pp_group)
     return loads, summary, mtp
+
+
+def step_router_stats(moe_layers: list, mtp_models: list, args, dims, mesh, device, capacity_factor: float,
+                      loss_group) -> dict:
+    """After a step: the global tokens per expert -> each MoE layer's load-balancing bias update,
+    counts cleared for the next step; -> the log's router stats (imbalance, tokens per expert, rows
+    dropped under a capacity factor) and DeepSeek-V3's MTP loss (mean over the loss group)."""
+    loads, summary, mtp = reduce_router_stats(moe_layers, mtp_models, args, dims, mesh, device)
+    stats = {}
+    for m, load in zip(moe_layers, loads if loads is not None else []):
+        m.update_bias(load)
+        m.tokens_per_expert.zero_()
+    if summary is not None:
+        s = summary.tolist()
+        stats = {"moe_imbalance": s[-2] / s[-1], "tokens_per_expert": s[:-3]}
+        if capacity_factor > 0:  # the share of routed rows dropped
+            stats["moe_dropped"] = s[-3] / max(sum(s[:-3]), 1.0)
+    if mtp is not None:  # this step's MTP cross-entropy (mean over microbatches), averaged
+        stats["mtp_loss"] = mtp.item() / dist.get_world_size(loss_group)
+        for m in mtp_models:
+            m.mtp_loss.zero_()
+    return stats
+
+
+def discard_router_stats(moe_layers: list, mtp_models: list) -> None:
+    """Forget what the forwards so far counted (routing loads, dropped rows, MTP losses)."""
+    for m in moe_layers:
+        m.tokens_per_expert.zero_()
+        if getattr(m.experts.dispatch, "dropped", None) is not None:
+            m.experts.dispatch.dropped = None
+    for m in mtp_models:
+        m.mtp_loss.zero_()

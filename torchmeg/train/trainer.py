@@ -41,7 +41,7 @@ from torchmeg.observe.peak import peak_flops, repair_peak
 from torchmeg.observe.profiling import StepProfiler
 from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
-from torchmeg.train.router_stats import reduce_router_stats, router_modules
+from torchmeg.train.router_stats import router_modules, step_router_stats
 from torchmeg.train.spike import SpikeGuard, batch_samples
 from torchmeg.train.state import TrainState
 from torchmeg.train.dpo import prepare_reference
@@ -240,22 +240,10 @@ class Trainer:
             print(line, flush=True)
 
     def _route_stats_and_balance(self) -> None:
-        """MoE: global tokens per expert this step -> load-balancing bias update and router stats;
-        DeepSeek-V3's MTP loss for the log."""
-        loads, summary, mtp = reduce_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims,
-                                                  self.mesh, self.device)
-        for m, load in zip(self.moe_layers, loads if loads is not None else []):
-            m.update_bias(load)
-            m.tokens_per_expert.zero_()
-        if summary is not None:
-            s = summary.tolist()
-            self.router_stats = {"moe_imbalance": s[-2] / s[-1], "tokens_per_expert": s[:-3]}
-            if self.cfg.parallelism.expert_capacity_factor > 0:  # the share of routed rows dropped
-                self.router_stats["moe_dropped"] = s[-3] / max(sum(s[:-3]), 1.0)
-        if mtp is not None:  # this step's MTP cross-entropy (mean over microbatches), averaged
-            self.router_stats["mtp_loss"] = mtp.item() / dist.get_world_size(self.loss_group)
-            for m in self.mtp_models:
-                m.mtp_loss.zero_()
+        stats = step_router_stats(self.moe_layers, self.mtp_models, self.layout.args, self.dims, self.mesh, self.device,
+                                  self.cfg.parallelism.expert_capacity_factor, self.loss_group)
+        if stats:  # (a step without MoE layers or MTP keeps the last stats, as before)
+            self.router_stats = stats
 
     @torch.no_grad()
     def evaluate(self) -> float:
