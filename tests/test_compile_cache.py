@@ -16,12 +16,15 @@ parallel composition the suite trains, several per run to keep its time: TP with
 vocab-parallel loss; TP x FSDP with float8 under TP (4 ranks: two TP groups, where the process
 group names differ by rank); CP; EP with MoE under FSDP; PP x TP (4 ranks).
 """
+import json
+import os
 import re
+import sys
 
 import pytest
 
 from conftest import TINY, read_metrics
-from launch import run_cli
+from launch import launch_ranks, run_cli
 
 P = "--parallelism."
 BASE = TINY + ["--training.steps=2", "--training.deterministic=true", "--training.global_batch_size=4",
@@ -93,3 +96,31 @@ def test_verify_cache_stops_a_run_whose_cached_program_is_wrong(tmp_path):
                      r"rank0of2-groups-[0-9a-f]{16}; step 1 verified against eager", v.stdout, re.M), v.stdout[:3000]
     plain, verified = read_metrics(tmp_path, "plain"), read_metrics(tmp_path, "verified")
     assert [(r["loss"], r["grad_norm"]) for r in plain] == [(r["loss"], r["grad_norm"]) for r in verified]
+
+
+def _aot_entries(folder) -> int:
+    return sum(len(files) for root, _, files in os.walk(folder) if os.sep + "aotautograd" in root)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.timeout(300)
+def test_compiled_tp_decode_on_a_warm_cache_generates_the_same(debug_run, tmp_path):
+    """torchmeg.generate's compiled decode step (--compile.enable=true) shares the cache setup: TP 2,
+    sampled (every token depends on the logits' last bits through the draw), twice on one fresh cache
+    folder: the second run adds no AOTAutograd entry (it read the first's) and emits the same rows."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    cmd = [sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
+           f"--job.dump_folder={debug_run}", "--job.name=debug", "--max-new-tokens", "16", "--temperature", "0.9",
+           "--seed", "3", "--prompt", "def main(", "--prompt", "import os\n", "--compile.enable=true",
+           "--parallelism.tensor_parallel_degree=2", "--json"]
+    rows, entries = [], []
+    for _ in range(2):
+        p = launch_ranks(cmd, 2, env, timeout=120)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rows.append([{k: v for k, v in json.loads(line).items() if not k.endswith(("_ms", "_per_sec"))}
+                     for line in p.stdout.splitlines() if line.startswith("{")])
+        entries.append(_aot_entries(tmp_path / "inductor"))
+    assert len(rows[0]) == 2 and all(len(r["tokens"]) == 16 for r in rows[0]), rows[0]
+    assert entries[0] > 0 and entries[1] == entries[0], entries
+    assert rows[1] == rows[0]

@@ -98,8 +98,16 @@ def versions(py: str) -> dict[str, str]:
 
 
 def pytest(py: str, args: list[str]) -> subprocess.CompletedProcess:
-    return run([py, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--timeout=300", "-p", "no:cacheprovider"]
-               + args, cwd=ROOT, text=True, capture_output=True)
+    """pytest in the venv, its output shown as it comes (a run of the suite takes minutes) and kept."""
+    cmd = [py, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "--timeout=300", "-p", "no:cacheprovider"] + args
+    print("+ " + " ".join(cmd), flush=True)
+    with subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as p:
+        lines = []
+        for line in p.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line)
+    return subprocess.CompletedProcess(cmd, p.returncode, "".join(lines), "")
 
 
 def range_end(end: str, torch_version: str, base: str) -> int:
@@ -116,7 +124,6 @@ def range_end(end: str, torch_version: str, base: str) -> int:
     t0 = time.monotonic()
     quick = pytest(py, ["-m", "not slow", "tests"])
     touched = pytest(py, files)
-    print(quick.stdout[-3000:] + touched.stdout[-6000:])
     print(f"\n== {end} end (torch {torch_version}), {time.monotonic() - t0:.0f} s of tests")
     for n in sorted(TOUCHES):
         lo, hi = b.get(n, (None, None))
@@ -128,14 +135,13 @@ def range_end(end: str, torch_version: str, base: str) -> int:
 
 def lock(torch_version: str, base: str) -> int:
     py = venv(os.path.join(base, "venv-lock"), torch_version, None)
-    got = versions(py)
+    got = {n: v for n, v in versions(py).items() if n != "torch"}  # (torch: the README's own pin)
     old = {}
     if os.path.exists(LOCK):
         with open(LOCK) as fh:
             old = {n.lower().replace("-", "_"): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", fh.read(), re.M)}
     moved = [f"{n} {old.get(n, '-')} -> {v}" for n, v in sorted(got.items()) if old.get(n) != v]
     p = pytest(py, ["-x", "tests"])
-    print(p.stdout[-4000:])
     print("versions that moved: " + ("; ".join(moved) or "none"))
     if p.returncode != 0:
         print(f"suite red ({_last(p.stdout)}): the lock stays as it was; what broke is above")
@@ -145,7 +151,7 @@ def lock(torch_version: str, base: str) -> int:
         fh.write(f"# The test install's lock: every package the README's test command installed on "
                  f"{time.strftime('%Y-%m-%d')}, with torch {torch_version},\n# when the whole suite passed "
                  f"({_last(p.stdout)}). Written by `python tools/deps.py lock`; pip install -c this file.\n")
-        fh.writelines(f"{n}=={v}\n" for n, v in sorted(got.items()) if n != "torch")
+        fh.writelines(f"{n}=={v}\n" for n, v in sorted(got.items()))
     print(f"suite green ({_last(p.stdout)}): {LOCK} written")
     return 0
 

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         if a.measure:
             return measure_main(cfg, a.json)
         world, source = (a.world, "--world") if a.world else recipe_world(cfg)
-        if source.startswith("parallelism.") and not a.json:
+        if source.startswith("parallelism."):  # (the header says why this world)
             print(f"world {world}: {source}", flush=True)
         gpu = (a.gpu or cfg.plan.gpu).lower()
         if gpu not in GPUS:
