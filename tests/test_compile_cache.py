@@ -124,3 +124,30 @@ def test_compiled_tp_decode_on_a_warm_cache_generates_the_same(debug_run, tmp_pa
     assert len(rows[0]) == 2 and all(len(r["tokens"]) == 16 for r in rows[0]), rows[0]
     assert entries[0] > 0 and entries[1] == entries[0], entries
     assert rows[1] == rows[0]
+
+
+def test_verify_cache_bounds_come_from_the_number_format(capsys):
+    """compile.verify_cache's comparison alone: fp32 within 1e-4 relative passes, a cached program's
+    error (6.08 vs 12.47) stops with one line naming the cache; bf16 and float8 get 5e-2; a step
+    non-finite both ways is left to training.on_nonfinite."""
+    from types import SimpleNamespace as NS
+
+    from torchmeg.config.errors import ConfigError
+    from torchmeg.train.compile_check import check_against_eager
+
+    def trainer(precision="fp32", float8=False):
+        return NS(cfg=NS(training=NS(mixed_precision=precision), float8=NS(enable=float8)), state=NS(step=0), rank=0)
+
+    check_against_eager(trainer(), (6.0833, 68.465), (6.0833 * (1 + 5e-5), 68.465))
+    assert "step 1 compiled = eager" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"step 1's loss is 12\.467 compiled, 6\.0833 eager \(relative 1 > 0\.0001\).*"
+                                          r"compile\.cache_dir, now "):
+        check_against_eager(trainer(), (6.0833, 68.465), (12.467, 68.465))
+    with pytest.raises(ConfigError, match="grad norm"):
+        check_against_eager(trainer(), (6.0833, 68.465), (6.0833, 68.465 * (1 + 2e-4)))
+    check_against_eager(trainer("bf16"), (6.0833, 68.465), (6.0833 * 1.01, 68.465 * 0.99))
+    with pytest.raises(ConfigError):
+        check_against_eager(trainer(float8=True), (6.0833, 68.465), (6.0833 * 1.1, 68.465))
+    check_against_eager(trainer(), (float("nan"), float("nan")), (float("nan"), float("inf")))
+    with pytest.raises(ConfigError):
+        check_against_eager(trainer(), (6.0833, 68.465), (float("nan"), 68.465))
