@@ -8,13 +8,16 @@ stopped (TP 2 x FSDP 2: 'Could not resolve the process group registered under th
 torchmeg.parallel.compile.rank_cache_key_tag keys each rank's entries apart; docs/limits.md has the
 reproduction without torchmeg.
 
-Each layout below runs twice on a cache folder of its own, first empty, then as the first run left
-it; the second must equal the first bit for bit (fp32, deterministic: the same kernels on the same
-data make the same bits, so any difference is a different program) and must have read compiled
-graphs from the cache (else the test would compare two cold runs). The layouts cover every compiled
-parallel composition the suite trains, several per run to keep its time: TP with SP and the
-vocab-parallel loss; TP x FSDP with float8 under TP (4 ranks: two TP groups, where the process
-group names differ by rank); CP; EP with MoE under FSDP; PP x TP (4 ranks).
+Each layout runs twice on a cache folder of its own (`compile.cache_dir`, so the runs share the
+suite's zygote server), first empty, then as the first run left it; the second must equal the first
+bit for bit (fp32, deterministic: the same kernels on the same data make the same bits, so any
+difference is a different program) and must have read compiled graphs from the cache (else the test
+would compare two cold runs). The layouts cover every compiled parallel composition the suite trains,
+several per run to keep its time: TP with SP and the vocab-parallel loss, validation on (its no_grad
+graphs too), with compile.verify_cache shown catching the defect; TP x FSDP with float8 under TP (4
+ranks: two TP groups, whose process group names differ by rank); MoE under CP (ring) x EP; PP x TP
+(4 ranks). Those three train only: validation's graphs are of the first layout's kind and each costs a
+cold compile.
 """
 import json
 import os
@@ -29,15 +32,14 @@ from launch import launch_ranks, run_cli
 P = "--parallelism."
 BASE = TINY + ["--training.steps=2", "--training.deterministic=true", "--training.global_batch_size=4",
                "--validation.steps=1", "--compile.enable=true"]
+TP2 = [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1", P + "sequence_parallel=true",
+       P + "loss_parallel=true"]
 
 WARM_LAYOUTS = [
-    ("tp2_sp_loss_parallel", 2, [P + "tensor_parallel_degree=2", P + "data_parallel_shard_degree=1",
-                                 P + "sequence_parallel=true", P + "loss_parallel=true"]),
     ("tp2_fsdp2_float8", 4, ["--training.local_batch_size=2", P + "tensor_parallel_degree=2",
                              P + "data_parallel_shard_degree=2", "--float8.enable=true"]),
-    ("cp2_ring", 2, [P + "context_parallel_degree=2", P + "context_parallel_mode=ring"]),
-    ("ep2_moe", 2, ["--training.local_batch_size=2", "--model.name=moe", "--model.n_experts=4",
-                    P + "data_parallel_shard_degree=2", P + "expert_parallel_degree=2"]),
+    ("cp2_ring_ep2_moe", 2, ["--model.name=moe", "--model.n_experts=4", P + "context_parallel_degree=2",
+                             P + "context_parallel_mode=ring", P + "expert_parallel_degree=2"]),
     ("pp2_tp2", 4, [P + "pipeline_parallel_degree=2", P + "tensor_parallel_degree=2",
                     P + "data_parallel_shard_degree=1"]),
 ]
@@ -50,52 +52,56 @@ def cached_graphs(stdout: str) -> int:
     return int(m.group(1))
 
 
+def assert_same_bits(cold: list[dict], warm: list[dict], keys=("loss", "grad_norm")) -> None:
+    assert [r["step"] for r in cold] == [r["step"] for r in warm] == [1, 2]
+    assert all("loss" in r and "grad_norm" in r for r in cold)
+    for x, y in zip(cold, warm):
+        for k in keys:
+            assert x.get(k) == y.get(k), f"step {x['step']} {k}: cold {x.get(k)!r} vs warm {y.get(k)!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name, ranks, layout", WARM_LAYOUTS, ids=[x[0] for x in WARM_LAYOUTS])
 def test_second_run_on_a_warm_cache_trains_the_same(name, ranks, layout, tmp_path):
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    cold = run_cli(BASE + layout, tmp_path, nproc=ranks, name="cold", env=env, timeout=300)
-    warm = run_cli(BASE + layout, tmp_path, nproc=ranks, name="warm", env=env, timeout=300)
+    args = BASE + layout + [f"--compile.cache_dir={tmp_path / 'inductor'}", "--validation.enable=false"]
+    cold = run_cli(args, tmp_path, nproc=ranks, name="cold", timeout=300)
+    warm = run_cli(args, tmp_path, nproc=ranks, name="warm", timeout=300)
     assert cached_graphs(warm.stdout) > 0, warm.stdout[-2000:]   # the second run did read the cache
     assert cached_graphs(warm.stdout) > cached_graphs(cold.stdout)
-    a, b = read_metrics(tmp_path, "cold"), read_metrics(tmp_path, "warm")
-    keys = ("loss", "grad_norm", "val_loss")
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2]
-    assert "val_loss" in a[-1]
-    for x, y in zip(a, b):
-        for k in keys:
-            assert x.get(k) == y.get(k), f"step {x['step']} {k}: cold {x.get(k)!r} vs warm {y.get(k)!r} ({name})"
+    assert_same_bits(read_metrics(tmp_path, "cold"), read_metrics(tmp_path, "warm"))
 
 
 @pytest.mark.slow
 @pytest.mark.compile
-@pytest.mark.timeout(300)
-def test_verify_cache_stops_a_run_whose_cached_program_is_wrong(tmp_path):
-    """compile.verify_cache runs the first step eagerly beside the compiled one. With torch's own
-    cache keys (the test hook TORCHMEG_TEST_SHARED_CACHE_KEYS: ranks share AOTAutograd entries, as
-    before the fix) a TP 2 run's second start loads another rank's program: the check stops it with
-    one line naming the cache (exit 2, on every rank); with torchmeg's keys it passes and says so,
-    and the run's numbers are the unverified run's (the eager pass leaves nothing behind)."""
-    layout = WARM_LAYOUTS[0][2]
-    args = BASE + layout + ["--training.steps=2", "--validation.enable=false"]
-    shared = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "shared"), "TORCHMEG_TEST_SHARED_CACHE_KEYS": "1"}
-    run_cli(args, tmp_path, nproc=2, name="shared_cold", env=shared, timeout=240)
-    p = run_cli(args + ["--compile.verify_cache=true"], tmp_path, nproc=2, name="shared_warm", env=shared,
-                timeout=240, check=False)
+@pytest.mark.timeout(400)
+def test_tp2_warm_cache_trains_the_same_and_verify_cache_catches_a_wrong_program(tmp_path):
+    """TP 2 with SP and the vocab-parallel loss, validation on. With torch's own cache keys (the test
+    hook TORCHMEG_TEST_SHARED_CACHE_KEYS: the ranks share AOTAutograd entries, as before the fix) the
+    second start loads another rank's program: compile.verify_cache, which runs the first step eagerly
+    beside the compiled one, stops it with one line naming the cache (exit 2, every rank). With
+    torchmeg's keys the warm run (verified, and saying so) equals the cold one (not verified) bit for
+    bit, validation included: the warm cache is right, and the eager pass leaves nothing behind."""
+    shared = [f"--compile.cache_dir={tmp_path / 'shared'}", "--validation.enable=false", "--training.steps=1"]
+    hook = {"TORCHMEG_TEST_SHARED_CACHE_KEYS": "1"}
+    run_cli(BASE + TP2 + shared, tmp_path, nproc=2, name="shared_cold", env=hook, timeout=240)
+    p = run_cli(BASE + TP2 + shared + ["--compile.verify_cache=true"], tmp_path, nproc=2, name="shared_warm",
+                env=hook, timeout=240, check=False)
     assert p.returncode == 2, (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
     line = re.search(r"compile\.verify_cache: step 1's loss is \S+ compiled, \S+ eager .*compile\.cache_dir, now "
                      r"(\S+)\)", p.stdout + p.stderr)
     assert line and line.group(1).startswith(str(tmp_path / "shared")), (p.stdout + p.stderr)[-3000:]
-    own = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "own")}
-    run_cli(args, tmp_path, nproc=2, name="plain", env=own, timeout=240)
-    v = run_cli(args + ["--compile.verify_cache=true"], tmp_path, nproc=2, name="verified", env=own, timeout=240)
-    assert re.search(r"\[compile\] verify_cache: step 1 compiled = eager \(loss ", v.stdout), v.stdout[-2000:]
+    own = BASE + TP2 + [f"--compile.cache_dir={tmp_path / 'own'}"]
+    cold = run_cli(own, tmp_path, nproc=2, name="cold", timeout=240)
+    warm = run_cli(own + ["--compile.verify_cache=true"], tmp_path, nproc=2, name="warm", timeout=240)
+    assert re.search(r"\[compile\] verify_cache: step 1 compiled = eager \(loss ", warm.stdout), warm.stdout[-2000:]
     assert re.search(r"^compile    model, loss; caches in \S+: inductor's FX graphs on, AOTAutograd's on; key tag "
-                     r"rank0of2-groups-[0-9a-f]{16}; step 1 verified against eager", v.stdout, re.M), v.stdout[:3000]
-    plain, verified = read_metrics(tmp_path, "plain"), read_metrics(tmp_path, "verified")
-    assert [(r["loss"], r["grad_norm"]) for r in plain] == [(r["loss"], r["grad_norm"]) for r in verified]
+                     r"rank0of2-groups-[0-9a-f]{16}; step 1 verified against eager", warm.stdout, re.M), warm.stdout[:3000]
+    assert cached_graphs(warm.stdout) > cached_graphs(cold.stdout)
+    a, b = read_metrics(tmp_path, "cold"), read_metrics(tmp_path, "warm")
+    assert "val_loss" in a[-1]
+    assert_same_bits(a, b, ("loss", "grad_norm", "val_loss"))
 
 
 def _aot_entries(folder) -> int:
@@ -109,14 +115,13 @@ def test_compiled_tp_decode_on_a_warm_cache_generates_the_same(debug_run, tmp_pa
     """torchmeg.generate's compiled decode step (--compile.enable=true) shares the cache setup: TP 2,
     sampled (every token depends on the logits' last bits through the draw), twice on one fresh cache
     folder: the second run adds no AOTAutograd entry (it read the first's) and emits the same rows."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     cmd = [sys.executable, "-m", "torchmeg.generate", "--config", "recipes/debug_llama.toml",
            f"--job.dump_folder={debug_run}", "--job.name=debug", "--max-new-tokens", "16", "--temperature", "0.9",
            "--seed", "3", "--prompt", "def main(", "--prompt", "import os\n", "--compile.enable=true",
-           "--parallelism.tensor_parallel_degree=2", "--json"]
+           f"--compile.cache_dir={tmp_path / 'inductor'}", "--parallelism.tensor_parallel_degree=2", "--json"]
     rows, entries = [], []
     for _ in range(2):
-        p = launch_ranks(cmd, 2, env, timeout=120)
+        p = launch_ranks(cmd, 2, dict(os.environ), timeout=120)
         assert p.returncode == 0, p.stderr[-3000:]
         rows.append([{k: v for k, v in json.loads(line).items() if not k.endswith(("_ms", "_per_sec"))}
                      for line in p.stdout.splitlines() if line.startswith("{")])
