@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.." || exit 2
 pass=0; fail=0; s=$(date +%s)
 for i in $(seq 1 "$N"); do
   if python -m pytest -q -p no:cacheprovider --timeout=300 "$@" > "$WORK/run.log" 2>&1; then
-    pass=$((pass + 1))
+    pass=$((pass + 1)); echo "run $i passed ($(( $(date +%s) - s )) s in all)"
   else
     fail=$((fail + 1)); cp "$WORK/run.log" "$WORK/fail$i.log"
     echo "run $i failed: $(grep -m1 -E '^(FAILED|ERROR|E  )' "$WORK/run.log")"
