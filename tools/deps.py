@@ -10,10 +10,10 @@ pip takes the newest release inside the bounds), and runs the tests that touch t
 (TOUCHES below) and the quick tier. One line per package at the end: the version that ran.
 
 `lock` builds a fresh venv with the newest releases (no lock), runs the README's test command's
-pytest there, and writes `constraints/test.txt` (every installed package but torchmeg, `pip freeze`)
+pytest there, and writes `constraints-test.txt` (every installed package but torchmeg, `pip freeze`)
 only when the suite is green; else it prints what failed and the packages whose versions differ from
 the committed lock, and leaves the lock as it was. The README's test command and .ci/run install the
-test extra against that file (`pip install -c constraints/test.txt`): a release on PyPI cannot turn
+test extra against that file (`pip install -c constraints-test.txt`): a release on PyPI cannot turn
 main red between two commits; moving the lock is a commit of its own.
 
 Why a pip constraints file and not uv's lock: the README installs with pip, and this machine's CPU
@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOCK = os.path.join(ROOT, "constraints", "test.txt")
+LOCK = os.path.join(ROOT, "constraints-test.txt")
 
 # The test files that exercise each package torchmeg's code imports (core and extras); the range
 # run takes their union with the quick tier.
