@@ -91,10 +91,14 @@ def venv(path: str, torch_version: str, constraints: str | None) -> str:
     return py
 
 
+def pins(text: str) -> dict[str, str]:
+    """{package: version} of the `name==version` lines of a freeze or a constraints file."""
+    return {n.lower().replace("-", "_"): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", text, re.M)}
+
+
 def versions(py: str) -> dict[str, str]:
-    out = subprocess.run([py, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True,
-                         check=True).stdout
-    return {n.lower().replace("-", "_"): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", out, re.M)}
+    return pins(subprocess.run([py, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True,
+                               check=True).stdout)
 
 
 def pytest(py: str, args: list[str]) -> subprocess.CompletedProcess:
@@ -139,14 +143,13 @@ def lock(torch_version: str, base: str) -> int:
     old = {}
     if os.path.exists(LOCK):
         with open(LOCK) as fh:
-            old = {n.lower().replace("-", "_"): v for n, v in re.findall(r"^([A-Za-z0-9_.\-]+)==(\S+)$", fh.read(), re.M)}
+            old = pins(fh.read())
     moved = [f"{n} {old.get(n, '-')} -> {v}" for n, v in sorted(got.items()) if old.get(n) != v]
     p = pytest(py, ["-x", "tests"])
     print("versions that moved: " + ("; ".join(moved) or "none"))
     if p.returncode != 0:
         print(f"suite red ({_last(p.stdout)}): the lock stays as it was; what broke is above")
         return 1
-    os.makedirs(os.path.dirname(LOCK), exist_ok=True)
     with open(LOCK, "w") as fh:
         fh.write(f"# The test install's lock: every package the README's test command installed on "
                  f"{time.strftime('%Y-%m-%d')}, with torch {torch_version},\n# when the whole suite passed "

@@ -58,10 +58,10 @@ ROLES = ("embedding", "embedding_replicate", "sp_enter", "sp_norm", "sp_norm_loc
          "head_shared", "head_sharded")
 
 
-def _is_tail_role(role: str) -> bool:
-    """head_shared_tail:N, N a positive count of features."""
+def _tail_features(role: str) -> int:
+    """N of a head_shared_tail:N role (a positive count of features); 0 for any other role."""
     kind, _, n = role.partition(":")
-    return kind == "head_shared_tail" and n.isdigit() and int(n) > 0
+    return int(n) if kind == "head_shared_tail" and n.isdigit() else 0
 
 
 def _n_positional(module: nn.Module) -> int:
@@ -205,8 +205,8 @@ def style_for(role: str, module: nn.Module, sp: bool, loss_parallel: bool, float
         return _ReplicateGradAllReduce()
     if role == "head_shared":
         return _SumGradOverTP()
-    if role.startswith("head_shared_tail:"):
-        return _SumTailGradOverTP(int(role.split(":", 1)[1]))
+    if _tail_features(role):
+        return _SumTailGradOverTP(_tail_features(role))
     if role == "head_sharded":
         return _ShardHeads()
     if role == "sp_input_local" and sp:
@@ -252,7 +252,7 @@ def expand_plan(model: nn.Module, plan, sp: bool, loss_parallel: bool, float8_tp
     `matched`, if given, receives {pattern: number of modules it matched}."""
     out = {}
     for pattern, role in plan:
-        if role not in ROLES and not _is_tail_role(role):
+        if role not in ROLES and not _tail_features(role):
             raise ValueError(f"TP plan entry {pattern!r}: unknown role {role!r}; known roles: {', '.join(ROLES)}, "
                              f"head_shared_tail:N")
         n = 0
