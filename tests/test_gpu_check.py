@@ -137,7 +137,9 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     attn = steps["sink_attention"]["rows"]
     assert len(attn) == 3 and all(r["sdpa_kernels"] and r["forward_backward_ms"] > 0 for r in attn)
     serve = steps["serving"]["rows"]
-    assert [r["concurrency"] for r in serve] == [1, 8] and all(r["output_tokens_per_sec"] > 0 for r in serve)
+    # (the last: the same 8 at once sampled, with a presence penalty: it ends with every token)
+    assert [(r["set"], r["concurrency"]) for r in serve] == [("fixed", 1), ("fixed", 8), ("fixed, sampled", 8)]
+    assert all(r["output_tokens_per_sec"] > 0 for r in serve) and serve[2]["output_tokens"] == serve[1]["output_tokens"]
     prof = steps["serving"]["profile"]  # (the 8-at-once run again under the profiler: where its host time went)
     assert prof["concurrency"] == 8 and prof["steps"] > 0 and prof["forward_ms"] > 0 and prof["top_host_ops"], prof
     assert prof["top_device_ops"] == [] and "most device time: none (no device)" in steps["serving"]["note"]  # (CPU)

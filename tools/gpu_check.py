@@ -17,7 +17,8 @@ step cut short by its time keeps the settings it measured, status "partial"):
                     128,256: peak memory against the fake-tensor prediction, time, agreement
   sink_attention    gpt-oss-20b's attention shape: sink attention (full and windowed) vs plain
                     causal SDPA, forward and backward
-  serving           the 1B's engine, 32 requests one by one vs 32 at once: tokens/s, TTFT
+  serving           the 1B's engine, 32 requests one by one vs 32 at once: tokens/s, TTFT; then the
+                    32 at once sampled (temperature, top_p, a presence penalty): it must end
   planner           the planner's prediction (python -m torchmeg.plan --world 1 --gpu <this GPU>)
                     for every compile_vs_eager and float8 setting beside what ran (planned on the
                     CPU while the GPU steps run)
@@ -167,10 +168,19 @@ def serving(check: Check, timeout: float) -> dict:
               "--profile", os.path.join(check.work, "serve_profile")], timeout - (time.monotonic() - t0))
     rows = json.load(open(path))
     prof = rows[-1].pop("profile")
+    # Sampled (temperature 1, top_p 0.9, a presence penalty) at the same concurrency: every draw's
+    # counters and the penalty's counts on the device (until 2026-12-06 a sampled request failed on a
+    # GPU, mixing the host's step counts with the device's streams; every GPU serving run was greedy)
+    sampled_path = os.path.join(check.work, "serve_sampled.json")
+    check.sh([sys.executable, "tools/serve_bench.py", "--engine", *run, "--sets", "fixed", "--concurrency", str(n),
+              "--requests", str(n), "--max-tokens", str(tokens), "--max-seqs", str(n), "--json", sampled_path,
+              "--temperature", "1", "--top-p", "0.9", "--presence-penalty", "0.5"], timeout - (time.monotonic() - t0))
+    rows.append(dict(json.load(open(sampled_path))[0], set="fixed, sampled"))
     def line(ops):  # the profile's top ops (a kernel's name can run to hundreds of characters)
         return "; ".join(f"{t['op'][:80]} {t['ms']:,.0f} ms in {t['calls']:,} calls ({t['share']:.0%})" for t in ops)
     top, kernels = line(prof["top_host_ops"]), line(prof["top_device_ops"][:3]) or "none (no device)"
-    return {"shape": f"{n} requests of 12-139 prompt tokens, {tokens} tokens out each, greedy",
+    return {"shape": f"{n} requests of 12-139 prompt tokens, {tokens} tokens out each, greedy (the last row: "
+                     f"temperature 1, top_p 0.9, presence penalty 0.5)",
             "note": f"profiled once more at concurrency {n}: {prof['steps']} steps, their forwards {prof['forward_ms']:,.0f} ms "
                     f"(device synchronized); ops' time on the host {prof['host_ms']:,.0f} ms, on the device "
                     f"{prof['device_ms']:,.0f} ms; most host time: {top}; most device time: {kernels}",

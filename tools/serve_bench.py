@@ -190,7 +190,9 @@ def engine_runner(args, rest):
                 if reason is not None:
                     rec["end"] = time.perf_counter() - rec["t0"]
                     ended.append(rec)
-            job = Job(list(body["prompt"]), body["max_tokens"], Sampling(), on_event=on_event)
+            sampling = Sampling(temperature=body["temperature"], top_p=body["top_p"], seed=body["seed"])
+            job = Job(list(body["prompt"]), body["max_tokens"], sampling, on_event=on_event,
+                      presence=body["presence_penalty"])
             rec["job"] = job
             engine.submit(job)
         queue = list(bodies)
@@ -324,6 +326,14 @@ def write_profile(folder: str, concurrency: int, steps: list[dict], profiler) ->
     return summary
 
 
+def sampling_words(args) -> str:
+    """The requests' sampling, as the header says it."""
+    if not args.temperature:
+        return "greedy" + (f", presence penalty {args.presence_penalty:g}" if args.presence_penalty else "")
+    return (f"sampled (temperature {args.temperature:g}, top_p {args.top_p:g}, presence penalty "
+            f"{args.presence_penalty:g}, seeded)")
+
+
 def progress(line: str) -> None:
     """One line per stage on stderr, as it ends: a run stopped at its bound shows how far it got (the
     first H200 call's bench printed nothing in its 76 s)."""
@@ -342,12 +352,17 @@ def main() -> None:
     ap.add_argument("--json", default="")
     ap.add_argument("--profile", default="", help="with --engine: the last concurrency run once more, profiled: its "
                                                   "step times and torch profiler tables into this folder")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy); seeded by its index")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
     ap.add_argument("--peer", default="", choices=["", "transformers"],
                     help="with --engine: also transformers' continuous batching on the exported model, same requests")
     args, rest = ap.parse_known_args()
     if args.peer and not args.engine:
         raise SystemExit("serve_bench: --peer transformers runs beside --engine (both in this process)")
+    if args.peer and (args.temperature or args.presence_penalty):
+        raise SystemExit("serve_bench: --peer compares greedy tokens: leave --temperature and --presence-penalty at 0")
     if args.profile and not args.engine:
         raise SystemExit("serve_bench: --profile profiles the engine in this process: add --engine")
     proc, url = (None, "") if args.engine or args.url else start_server(args, rest)
@@ -365,8 +380,9 @@ def main() -> None:
         sets = prompt_sets(ids, args.requests, args.sets.split(","))
         rows, peers = [], []
         for name, prompts in sets.items():
-            bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
-                           stream=True, stream_options={"include_usage": True}) for p in prompts]
+            bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=args.temperature,
+                           top_p=args.top_p, presence_penalty=args.presence_penalty, seed=i, ignore_eos=True,
+                           stream=True, stream_options={"include_usage": True}) for i, p in enumerate(prompts)]
             run_one(bodies[:1], 1)  # warm up
             set_rows = [dict(run_one(bodies, c), set=name) for c in [int(x) for x in args.concurrency.split(",")]]
             if not all(r["output_tokens_per_sec"] > 0 for r in set_rows):
@@ -380,7 +396,8 @@ def main() -> None:
             if args.peer:
                 peers.append(compare_peer(name, bodies, args.max_seqs, run_one))
         lengths = {k: (min(map(len, v)), max(map(len, v))) for k, v in sets.items()}
-        print(f"serve_bench: {model} at {where}, {args.requests} requests x {args.max_tokens} output tokens, greedy; "
+        print(f"serve_bench: {model} at {where}, {args.requests} requests x {args.max_tokens} output tokens, "
+              f"{sampling_words(args)}; "
               + "; ".join(f"set {k}: prompts {a}-{b} tokens" for k, (a, b) in lengths.items())
               + f"; concurrency {rows[0]['concurrency']} is the baseline")
         print("| set | concurrency | req/s | output tok/s | vs one by one | TTFT mean / median / p99 (ms) | "

@@ -79,7 +79,10 @@ def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, 
         drop = p_sorted.cumsum(-1) - p_sorted >= s.top_p
         probs = torch.zeros_like(probs).scatter_(-1, order, p_sorted.masked_fill(drop, 0.0))
     cdf = probs.double().cumsum(-1)
-    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed if seeds is None else seeds).to(logits.device)
+    # The counters on the logits' device: streams and per-row steps come from the host (a step a
+    # scalar, or a [B] tensor of each row's own step from the serving engine's rows).
+    step = step.to(logits.device) if torch.is_tensor(step) else step
+    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed if seeds is None else seeds)
     target = (u * cdf[:, -1]).unsqueeze(-1)
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 

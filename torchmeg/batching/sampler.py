@@ -14,8 +14,15 @@ from torchmeg.batching.scheduler import Job
 
 
 def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
-    """The next token of each row [N, V] for jobs[i]. One host read. Rows whose sampling differs only
-    in its seed (unseeded requests each draw one) share one call, each row with its own seed."""
+    """The next token of each row [N, V] for jobs[i]: next_tokens's, in one host read."""
+    return next_tokens(logits, jobs).tolist()
+
+
+def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
+    """The next token of each row [N, V] for jobs[i], [N] int64 on the logits' device (every tensor it
+    combines made there or moved there: tests/test_sampling_device.py runs it on the meta device, which
+    stands in for CUDA). Rows whose sampling differs only in its seed (unseeded requests each draw one)
+    share one call, each row with its own seed."""
     nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
     penalized = [i for i, j in enumerate(jobs) if ((j.presence or j.frequency) and j.tokens) or j.repetition != 1]
     if penalized:  # vLLM's order: the repetition penalty, then OpenAI's frequency and presence
@@ -36,7 +43,7 @@ def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
         streams = torch.tensor([jobs[i].stream for i in idx], dtype=torch.long)
         steps = torch.tensor([len(jobs[i].tokens) for i in idx], dtype=torch.long)
         nxt[rows] = sample(logits[rows], s, streams, steps, seeds=[jobs[i].sampling.seed for i in idx])
-    return nxt.tolist()
+    return nxt
 
 
 def penalty_counts(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
@@ -97,11 +104,18 @@ def prompt_logprobs(logits_nV: torch.Tensor, job: Job, start: int) -> list:
 
 
 def scores(logits_NV: torch.Tensor, chosen_N: torch.Tensor, k: int) -> list:
-    """[(log p(chosen), [(token, log p)] of the k most likely, best first)] per row."""
-    lp = logits_NV.float().log_softmax(-1)
-    top = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
-    picked = lp.gather(-1, chosen_N[:, None])[:, 0].tolist()
+    """[(log p(chosen), [(token, log p)] of the k most likely, best first)] per row (score_tensors's,
+    read to the host)."""
+    picked, top = score_tensors(logits_NV, chosen_N, k)
+    picked = picked.tolist()
     if top is None:
         return [(p, []) for p in picked]
     values, ids = top.values.tolist(), top.indices.tolist()
     return [(p, list(zip(i, v))) for p, i, v in zip(picked, ids, values)]
+
+
+def score_tensors(logits_NV: torch.Tensor, chosen_N: torch.Tensor, k: int):
+    """On the logits' device: log p(chosen) [N] and the k most likely (topk's values and indices, or
+    None for k = 0)."""
+    lp = logits_NV.float().log_softmax(-1)
+    return lp.gather(-1, chosen_N[:, None])[:, 0], (lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None)

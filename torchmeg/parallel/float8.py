@@ -57,6 +57,14 @@ def is_float8_linear(mod: nn.Module) -> bool:
     return f8 is not None and isinstance(mod, f8.Float8Linear)
 
 
+def precomputes_scales(cfg, dims) -> bool:
+    """Whether the trainer computes the float8 weights' scales after each update, for FSDP's float8
+    all-gather (tensorwise only; the planner traces the same)."""
+    f8 = cfg.float8
+    return (f8.enable and f8.enable_fsdp_float8_all_gather and f8.recipe == "tensorwise"
+            and (dims.fsdp > 1 or cfg.training.mixed_precision == "bf16"))
+
+
 def precompute_scales(model: nn.Module) -> None:
     """With float8 FSDP all-gather: compute all weight scales in one fused op after the optimizer step."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # lazy: see apply_float8

@@ -23,7 +23,8 @@ from torchmeg.parallel.parallelize import reshard_after_forward
 from torchmeg.parallel.pipeline_order import bubble, fsdp_gathers, held_peak_and_grads, simulate, torch_actions
 from torchmeg.plan.pipeline_stage import measure_stage
 from torchmeg.plan.step_cost import add_comm
-from torchmeg.plan.trace_step import Measurement, build, create_optimizer_state, gpu_optimizer, router_stats, track_step
+from torchmeg.plan.trace_step import (Measurement, build, create_optimizer_state, float8_scales, gpu_optimizer,
+                                      router_stats, track_step)
 from torchmeg.train.build import GlobalTargetMean, loss_function, takes_sharded_logits
 from torchmeg.train.optim import grad_norm
 
@@ -41,6 +42,7 @@ def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep, read=froz
 def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset()) -> dict:
     dims, st = layout.dims, layout.stages
     n_stages, n_micro = st.n_stages, st.microbatches
+    scales = float8_scales(cfg, layout, built.model)
     mb = layout.local_batch * layout.accum // n_micro
     sp = dims.tp > 1 and cfg.parallelism.sequence_parallel
     L = cfg.data.seq_len // dims.cp
@@ -92,6 +94,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
         router_stats(built, layout, mesh)
         grad_norm(list(built.model.parameters()), [pp_group])
         opt.step()
+        scales()
     tail_m = track_step(tail, built.parts, opt, labels)
     opt.zero_grad(set_to_none=True)
     return {"per_stage": per_stage, "state": state, "tail": tail_m, "stage_ids": list(built.stage_ids),

@@ -26,6 +26,7 @@ import types
 import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchmeg.observe.metrics import local_bytes
@@ -126,7 +127,22 @@ def give_gradients(part) -> None:
     there, and no add of the accumulation for it."""
     for p in part.parameters():
         if p.requires_grad and not replicated_beside_fsdp(p):
-            p.grad = torch.zeros_like(p)
+            p.grad = gradient_like(p)
+
+
+def gradient_like(p: torch.Tensor) -> torch.Tensor:
+    """The gradient autograd gives weight p: zeros of its shape, dtype and placements, a plain tensor
+    (or a DTensor of one) where p's data is a subclass's. Under FSDP's float8 all-gather a gathered
+    weight is torchao's Float8TrainingTensor, whose dispatch runs no zeros_like (the planner stopped on
+    it: 'attempting to run aten.zeros_like.default'); its gradient in the run is of the weight's high
+    precision dtype, which the subclass reports as its dtype."""
+    local = p.to_local() if isinstance(p, DTensor) else p
+    if type(local) in (torch.Tensor, torch.nn.Parameter) or isinstance(local, FakeTensor):
+        return torch.zeros_like(p)
+    zeros = torch.zeros(local.shape, dtype=local.dtype, device=local.device)
+    if not isinstance(p, DTensor):
+        return zeros
+    return DTensor.from_local(zeros, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def replicated_beside_fsdp(p) -> bool:

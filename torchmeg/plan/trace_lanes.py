@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import traceback
 from multiprocessing.connection import wait
 from typing import Callable
 
@@ -40,10 +41,12 @@ def _serve(conn, trace: Callable) -> None:
         try:
             conn.send((job, trace(job), None))
         except Exception as e:  # noqa: BLE001 - the parent raises it (or says what it was)
+            where = "raised in a planning child, at:\n" + traceback.format_exc().rstrip()
+            e.add_note(where)  # (notes pickle with the exception)
             try:
                 conn.send((job, None, e))
             except Exception:  # noqa: BLE001 - an exception that does not pickle
-                conn.send((job, None, RuntimeError(f"{type(e).__name__}: {e}")))
+                conn.send((job, None, RuntimeError(f"{type(e).__name__}: {e}\n{where}")))
 
 
 class _Child:

@@ -22,6 +22,7 @@ from torch.optim.optimizer import _foreach_supported_types
 
 from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import model_state_bytes
+from torchmeg.parallel.float8 import precompute_scales, precomputes_scales
 from torchmeg.parallel.parallelize import program_for
 from torchmeg.plan.post_training import reference_copy, rollout_phases
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
@@ -285,8 +286,9 @@ def measure_step(cfg, layout: Layout, mesh, ep_mesh, labels, keep) -> dict:
         # The trainer's own microbatch loop, over the (at most three) microbatches planned.
         ms = dataclasses.replace(ModelStep.of(built, layout, mesh, device, loss), accum=len(batches), targets=None)
         loss_group = mesh["dp_cp"].get_group()
+        scales = float8_scales(cfg, layout, model)
         step = update_step(lambda: (dist.all_reduce(forward_backward(ms, batches), group=loss_group),
-                              router_stats(built, layout, mesh)), model, opt, [])
+                              router_stats(built, layout, mesh)), model, opt, [], after=scales)
         state = create_optimizer_state(model, opt)
         reference = reference_copy(cfg, model)  # (GRPO's, held for the whole run: torchmeg.plan.post_training)
         layers = getattr(model, layout.spec.layers_attr, None)
@@ -321,17 +323,48 @@ def create_optimizer_state(model, opt) -> int:
     return state
 
 
-def update_step(forward_backward, model, opt, extra_groups):
+def update_step(forward_backward, model, opt, extra_groups, after=lambda: None):
     """The trainer's step after forward/backward: the grad norm (one reduction per placement
-    group) and the optimizer update. Clipping (one multiply per gradient) is left out: fake
-    tensors hold no norm to compare with max_norm."""
+    group), the optimizer update and `after` it (float8_scales'). Clipping (one multiply per
+    gradient) is left out: fake tensors hold no norm to compare with max_norm."""
 
     def run(between=lambda: None):
         forward_backward()
         between()
         grad_norm(list(model.parameters()), extra_groups)
         opt.step()
+        after()
     return run
+
+
+def float8_scales(cfg, layout: Layout, model):
+    """With FSDP's float8 all-gather the trainer computes every float8 weight's scale after each
+    update (one all-reduce of their amaxes; parallel.float8.precomputes_scales), and the next step's
+    gathers use them: computed here as step 1 left them (the traced step being a later one; without
+    them each weight's gather reduces its own amax: 14 all-reduces where the run makes one), and ->
+    the same computation for the traced update's end (a no-op without the all-gather)."""
+    if not precomputes_scales(cfg, layout.dims):
+        return lambda: None
+    _scale_flattens_without_a_read()
+    precompute_scales(model)
+    return lambda: precompute_scales(model)
+
+
+def _scale_flattens_without_a_read() -> None:
+    """torchao 0.18's WeightWithDynamicFloat8CastTensor.__tensor_flatten__ asks `if
+    self._precomputed_scale:`, the truth of a tensor: a read of its value, which a fake tensor has
+    not (DataDependentOutputException when the memory tracker lists a weight's storages). Here, in the
+    planner's process only, it asks whether there is one (`is not None`: a scale is never 0), as torchao
+    means it."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W  # lazy: float8 plans only
+    if getattr(W.__tensor_flatten__, "torchmeg_planner", False):
+        return
+
+    def flatten(self):
+        tensors = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None else [])
+        return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+    flatten.torchmeg_planner = True
+    W.__tensor_flatten__ = flatten
 
 
 def router_stats(built, layout: Layout, mesh) -> None:

@@ -27,7 +27,7 @@ from torchmeg.data.loader import build_dataset, build_loader, open_stores, prepa
 from torchmeg.data.sources import cache_dir
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import LossSpikeError
-from torchmeg.parallel.float8 import precompute_scales
+from torchmeg.parallel.float8 import precompute_scales, precomputes_scales
 from torchmeg.checkpoint.export import export_hf
 from torchmeg.checkpoint.hf_files import load_initial_hf
 from torchmeg.config.layout import Layout
@@ -124,9 +124,7 @@ class Trainer:
         self.peak, self.peak_source = peak_flops(self.device, self._dtype, cache_dir(cfg))
         self._peak_repaired = False
         # float8 weights all-gathered by FSDP: one fused amax/scale computation per step.
-        self.float8_precompute = (cfg.float8.enable and cfg.float8.enable_fsdp_float8_all_gather
-                                  and cfg.float8.recipe == "tensorwise"
-                                  and (self.dims.fsdp > 1 or cfg.training.mixed_precision == "bf16"))
+        self.float8_precompute = precomputes_scales(cfg, self.dims)
         self.state_bytes = None
 
     def _resume(self) -> None:
