@@ -185,8 +185,8 @@ def _drain(engine, jobs: list[Job]) -> list[Job]:
 def test_penalty_counts_grow_with_each_step_and_seeds_share_one_sampling_call(monkeypatch):
     """The penalties' counts are kept on the job and updated with each step's new token (one element
     added a step, not the whole list again: O(new), not O(n^2) over a completion), equal to a bincount
-    of the tokens; rows whose sampling differs only in its seed (unseeded requests each draw one)
-    sample in ONE call, each row's token the one its seed draws alone."""
+    of the tokens; rows of different seeds (unseeded requests each draw one) and settings sample in
+    ONE call, each row's token the one it draws alone."""
     from torchmeg.batching import sampler
     V, added = 50, []
     real_add = torch.Tensor.index_add_
@@ -200,10 +200,11 @@ def test_penalty_counts_grow_with_each_step_and_seeds_share_one_sampling_call(mo
     assert torch.equal(job.penalty_counts, torch.bincount(torch.tensor(job.tokens[:-1]), minlength=V).float())
     monkeypatch.setattr(torch.Tensor, "index_add_", real_add)
     calls = []
-    real_sample = sampler.sample
-    monkeypatch.setattr(sampler, "sample", lambda *a, **k: calls.append(a[0].shape[0]) or real_sample(*a, **k))
+    real_sample = sampler.sample_each
+    monkeypatch.setattr(sampler, "sample_each", lambda *a, **k: calls.append(a[0].shape[0]) or real_sample(*a, **k))
     seeds = [11, 12, 13, 14, 15]
     jobs = [Job([3, 4, i], 8, Sampling(temperature=1.0, top_p=0.9, seed=sd), on_event=None) for i, sd in enumerate(seeds)]
+    jobs[1].sampling = Sampling(temperature=0.7, top_k=5, seed=12)  # (other settings, the same call)
     for j in jobs:
         j.tokens = [7] * 3
     logits = torch.randn(len(jobs), V, generator=g)

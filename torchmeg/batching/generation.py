@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.models.init import uniform
+from torchmeg.models.init import seed_key, uniform
 from torchmeg.models.kv_cache import KVCache, varying_shapes
 
 _STEP_BITS = 20  # a row's stream holds 2^20 steps: its key sits above them in the counter
@@ -62,29 +62,80 @@ def row_streams(prompts: list[list[int]], sample_index: int = 0) -> torch.Tensor
 def sample(logits_BV: torch.Tensor, s: Sampling, streams_B: torch.Tensor, step, seeds: list[int] | None = None
            ) -> torch.Tensor:
     """The next token of every row, [B] int64. `seeds`: one per row instead of s.seed (requests that
-    differ only in their seed, sampled in one call, each row drawing what its seed alone draws)."""
-    logits = logits_BV.float()
+    differ only in their seed, sampled in one call, each row drawing what its seed alone draws).
+    sample_each's arithmetic, every row with the settings `s` (so torchmeg.generate and the serving
+    engine, which samples a batch of mixed settings there, give a request the same tokens)."""
     if s.temperature == 0:
+        return logits_BV.float().argmax(-1)
+    dev, B = logits_BV.device, logits_BV.shape[0]
+
+    def full(value, dtype):  # (a fill on the device: nothing made on the host)
+        return torch.full((B,), value, dtype=dtype, device=dev)
+    # The counters on the logits' device: streams and per-row steps come from the host (a step a
+    # scalar, or a [B] tensor of each row's own step).
+    steps = step.to(dev) if torch.is_tensor(step) else full(step, torch.int64)
+    keys = full(seed_key(s.seed), torch.int64) if seeds is None else \
+        torch.tensor([seed_key(x) for x in seeds], dtype=torch.int64, device=dev)
+    return sample_each(logits_BV, full(s.temperature, torch.float32), full(s.top_k, torch.int64),
+                       full(s.top_p, torch.float32), full(s.min_p, torch.float32), streams_B.to(dev), steps, keys,
+                       SamplingMix.of([s]))
+
+
+def keep_top_p(probs: torch.Tensor, top_p) -> torch.Tensor:
+    """Keep the most likely tokens until their mass reaches top_p (the one crossing it included);
+    `top_p` a number, or [B, 1] per row."""
+    p_sorted, order = probs.sort(-1, descending=True)
+    drop = p_sorted.cumsum(-1) - p_sorted >= top_p
+    return torch.zeros_like(probs).scatter_(-1, order, p_sorted.masked_fill(drop, 0.0))
+
+
+def draw(probs: torch.Tensor, counters: torch.Tensor, key) -> torch.Tensor:
+    """One token per row by inverse CDF from the uniform of (key, the row's counter)."""
+    cdf = probs.double().cumsum(-1)
+    target = (uniform(counters, key) * cdf[:, -1]).unsqueeze(-1)
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_each(logits_BV: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor, streams: torch.Tensor, steps: torch.Tensor, keys: torch.Tensor,
+                host: "SamplingMix") -> torch.Tensor:
+    """`sample` with every row's own settings, [B] tensors on the logits' device (keys: seed_key's of
+    each row's seed): one call for a batch of any mix, each row the token `sample` gives it alone (the
+    same ops on its elements; a setting a row has off leaves its elements as they were). `host`: which
+    settings any row has on (known on the host where the rows were packed: no read here)."""
+    logits = logits_BV.float()
+    greedy = temperature == 0
+    if host.all_greedy:
         return logits.argmax(-1)
-    x = logits / s.temperature
-    if s.min_p > 0:  # (vLLM's order: after the temperature, before top-k and top-p)
-        x = drop_below_min_p(x, s.min_p)
-    if s.top_k > 0:
-        kth = x.topk(min(s.top_k, x.shape[-1]), dim=-1).values[:, -1:]
+    x = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if host.min_p:  # (vLLM's order: after the temperature, before top-k and top-p)
+        x = drop_below_min_p(x, min_p[:, None])
+    if host.top_k:  # the k-th largest per row (k 0: none dropped)
+        k = top_k.clamp(1, x.shape[-1])[:, None]
+        kth = torch.where(top_k[:, None] > 0, x.sort(-1, descending=True).values.gather(-1, k - 1), float("-inf"))
         x = x.masked_fill(x < kth, float("-inf"))
     probs = x.softmax(-1)
-    if s.top_p < 1:
-        # Keep the most likely tokens until their mass reaches top_p (the one crossing it included).
-        p_sorted, order = probs.sort(-1, descending=True)
-        drop = p_sorted.cumsum(-1) - p_sorted >= s.top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, p_sorted.masked_fill(drop, 0.0))
-    cdf = probs.double().cumsum(-1)
-    # The counters on the logits' device: streams and per-row steps come from the host (a step a
-    # scalar, or a [B] tensor of each row's own step from the serving engine's rows).
-    step = step.to(logits.device) if torch.is_tensor(step) else step
-    u = uniform((streams_B.to(logits.device) << _STEP_BITS) + step, s.seed if seeds is None else seeds)
-    target = (u * cdf[:, -1]).unsqueeze(-1)
-    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+    if host.top_p:
+        probs = torch.where((top_p < 1)[:, None], keep_top_p(probs, top_p[:, None]), probs)
+    picked = draw(probs, (streams << _STEP_BITS) + steps, keys)
+    return torch.where(greedy, logits.argmax(-1), picked) if host.greedy else picked
+
+
+@dataclass(frozen=True)
+class SamplingMix:
+    """Which settings the rows of a batch have on (sample_each's branches, decided on the host)."""
+    all_greedy: bool
+    greedy: bool
+    min_p: bool
+    top_k: bool
+    top_p: bool
+
+    @classmethod
+    def of(cls, settings: list[Sampling]) -> "SamplingMix":
+        return cls(all(s.temperature == 0 for s in settings), any(s.temperature == 0 for s in settings),
+                   any(s.min_p > 0 and s.temperature for s in settings),
+                   any(s.top_k > 0 and s.temperature for s in settings),
+                   any(s.top_p < 1 and s.temperature for s in settings))
 
 
 def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -102,9 +153,9 @@ def _seen(prompts: list[list[int]], vocab: int, device) -> torch.Tensor:
     return seen
 
 
-def drop_below_min_p(x: torch.Tensor, min_p: float) -> torch.Tensor:
+def drop_below_min_p(x: torch.Tensor, min_p) -> torch.Tensor:
     """min-p sampling (vLLM's and transformers' MinPLogitsWarper): logits [B, V] of the tokens whose
-    probability is below min_p x the row's largest set to -inf."""
+    probability is below min_p (a number, or [B, 1] per row; 0 drops none) x the row's largest set to -inf."""
     probs = x.softmax(-1)
     return x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
 

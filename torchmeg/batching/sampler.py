@@ -1,15 +1,16 @@
-"""A step's sampling: every row by its own request's parameters (penalties first), rows that share
-them in one call, and the log-probabilities the requests asked for. The random streams are
+"""A step's sampling: every row by its own request's parameters (penalties first), all rows in one
+call and one upload, and the log-probabilities the requests asked for. The random streams are
 torchmeg.batching.generation's (prompt tokens, sample index, step), so a request's tokens are those
 `torchmeg.generate` gives it alone.
 """
 from __future__ import annotations
 
-import dataclasses
+import struct
 
 import torch
 
-from torchmeg.batching.generation import Sampling, penalize_repetition, sample
+from torchmeg.batching.generation import SamplingMix, penalize_repetition, sample_each
+from torchmeg.models.init import seed_key
 from torchmeg.batching.scheduler import Job
 
 
@@ -19,57 +20,75 @@ def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
 
 
 def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
-    """The next token of each row [N, V] for jobs[i], [N] int64 on the logits' device (every tensor it
-    combines made there or moved there: tests/test_sampling_device.py runs it on the meta device, which
-    stands in for CUDA). Rows whose sampling differs only in its seed (unseeded requests each draw one)
-    share one call, each row with its own seed."""
-    nxt = torch.empty(len(jobs), dtype=torch.long, device=logits.device)
-    penalized = [i for i, j in enumerate(jobs) if ((j.presence or j.frequency) and j.tokens) or j.repetition != 1]
-    if penalized:  # vLLM's order: the repetition penalty, then OpenAI's frequency and presence
-        logits = logits.clone()
-        for i in penalized:
-            job = jobs[i]
-            if job.repetition != 1:  # over the prompt's and the generated tokens: positive / p, others x p
-                logits[i] = penalize_repetition(logits[i], repetition_mask(job, logits.shape[-1], logits.device),
-                                                job.repetition)
-            if (job.presence or job.frequency) and job.tokens:  # logit -= frequency x count + presence x (count > 0)
-                counts = penalty_counts(job, logits.shape[-1], logits.device)
-                logits[i] -= job.frequency * counts + job.presence * (counts > 0).float()
-    groups: dict[Sampling, list[int]] = {}
+    """The next token of each row [N, V] for jobs[i], [N] int64 on the logits' device, in one upload:
+    every row's counters and settings and the tokens its penalties add since the last step, packed
+    into one int64 buffer on the host and copied once (batching.generation.sample_each then samples
+    every row, whatever its settings, in one call; the penalties apply per row to slices of the
+    buffer). tests/test_sampling_device.py runs it on the meta device, which stands in for CUDA,
+    and counts the tensors it makes from host data."""
+    n, vocab, dev = len(jobs), logits.shape[-1], logits.device
+    floats = [x for j in jobs for x in (j.sampling.temperature, j.sampling.top_p, j.sampling.min_p)]
+    data = [x for j in jobs for x in (j.stream, len(j.tokens), seed_key(j.sampling.seed), j.sampling.top_k)]
+    data += struct.unpack(f"<{len(floats)}q", struct.pack(f"<{len(floats)}d", *floats))
+    penalties = []  # (row, (offset, length, fresh) of its repetition mask's tokens, the same of its counts')
     for i, job in enumerate(jobs):
-        groups.setdefault(dataclasses.replace(job.sampling, seed=0), []).append(i)
-    for s, idx in groups.items():
-        rows = torch.tensor(idx, device=logits.device)
-        streams = torch.tensor([jobs[i].stream for i in idx], dtype=torch.long)
-        steps = torch.tensor([len(jobs[i].tokens) for i in idx], dtype=torch.long)
-        nxt[rows] = sample(logits[rows], s, streams, steps, seeds=[jobs[i].sampling.seed for i in idx])
-    return nxt
+        if job.repetition == 1 and not ((job.presence or job.frequency) and job.tokens):
+            continue
+        seen = counts = None
+        if job.repetition != 1:  # the prompt's and the generated tokens (all of them on a fresh mask)
+            fresh = _stale(job.repetition_seen, job.repetition_counted, job, vocab, dev)
+            add = ([t for t in job.prompt if 0 <= t < vocab] if fresh else []) + \
+                job.tokens[0 if fresh else job.repetition_counted:]
+            seen = (len(data), len(add), fresh)
+            data += add
+        if (job.presence or job.frequency) and job.tokens:  # the generated tokens counted since the last step
+            fresh = _stale(job.penalty_counts, job.penalty_counted, job, vocab, dev)
+            add = job.tokens[0 if fresh else job.penalty_counted:]
+            counts = (len(data), len(add), fresh)
+            data += add
+        penalties.append((i, seen, counts))
+    buf = torch.tensor(data, dtype=torch.int64).to(dev, non_blocking=True)  # the step's one upload
+    if penalties:  # vLLM's order: the repetition penalty, then OpenAI's frequency and presence
+        logits = logits.clone()
+        for i, seen, counts in penalties:
+            job = jobs[i]
+            if seen is not None:  # over the prompt's and the generated tokens: positive / p, others x p
+                logits[i] = penalize_repetition(logits[i], repetition_mask(job, vocab, buf, seen), job.repetition)
+            if counts is not None:  # logit -= frequency x count + presence x (count > 0)
+                c = penalty_counts(job, vocab, buf, counts)
+                logits[i] -= job.frequency * c + job.presence * (c > 0).float()
+    rows = buf[:4 * n].view(n, 4)
+    settings = buf[4 * n:7 * n].view(torch.float64).view(n, 3).float()
+    return sample_each(logits, settings[:, 0], rows[:, 3], settings[:, 1], settings[:, 2], rows[:, 0], rows[:, 1],
+                       rows[:, 2], SamplingMix.of([j.sampling for j in jobs]))
 
 
-def penalty_counts(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
+def _stale(kept, counted: int, job: Job, vocab: int, device) -> bool:
+    """Whether a job's kept penalty state must be made afresh (none yet, another device or vocabulary,
+    or tokens taken back since it was counted)."""
+    return kept is None or kept.device != device or kept.shape[0] != vocab or counted > len(job.tokens)
+
+
+def penalty_counts(job: Job, vocab: int, buf: torch.Tensor, at: tuple[int, int, bool]) -> torch.Tensor:
     """How often each token occurs among the job's generated tokens, [vocab] on the device: kept on the
-    job and updated with the tokens generated since the last step (one or a few a step), not rebuilt
-    from the whole list each step."""
-    counts = job.penalty_counts
-    if counts is None or counts.device != device or counts.shape[0] != vocab or job.penalty_counted > len(job.tokens):
-        counts, job.penalty_counted = torch.zeros(vocab, device=device), 0
-    new = job.tokens[job.penalty_counted:]
-    if new:
-        counts.index_add_(0, torch.tensor(new, device=device), torch.ones(len(new), device=device))
+    job and updated with the tokens generated since the last step (one or a few a step, at buf[offset:
+    offset + length]), not rebuilt from the whole list each step."""
+    offset, length, fresh = at
+    counts = torch.zeros(vocab, device=buf.device) if fresh else job.penalty_counts
+    if length:
+        counts.index_add_(0, buf[offset:offset + length], torch.ones(length, device=buf.device))
     job.penalty_counts, job.penalty_counted = counts, len(job.tokens)
     return counts
 
 
-def repetition_mask(job: Job, vocab: int, device: torch.device) -> torch.Tensor:
+def repetition_mask(job: Job, vocab: int, buf: torch.Tensor, at: tuple[int, int, bool]) -> torch.Tensor:
     """[vocab] bool on the device: the tokens of the job's prompt or generated so far (vLLM's and
-    transformers' repetition penalty), kept on the job and updated with the new tokens."""
-    mask, counted = job.repetition_seen, job.repetition_counted
-    if mask is None or mask.device != device or mask.shape[0] != vocab or counted > len(job.tokens):
-        mask, counted = torch.zeros(vocab, dtype=torch.bool, device=device), 0
-        mask[torch.tensor([t for t in job.prompt if 0 <= t < vocab], dtype=torch.long, device=device)] = True
-    new = job.tokens[counted:]
-    if new:
-        mask[torch.tensor(new, dtype=torch.long, device=device)] = True
+    transformers' repetition penalty), kept on the job and updated with the new tokens (at
+    buf[offset:offset + length]; a fresh mask: the prompt's and every generated one)."""
+    offset, length, fresh = at
+    mask = torch.zeros(vocab, dtype=torch.bool, device=buf.device) if fresh else job.repetition_seen
+    if length:
+        mask.index_fill_(0, buf[offset:offset + length], True)  # (a Scalar: no tensor made on the host)
     job.repetition_seen, job.repetition_counted = mask, len(job.tokens)
     return mask
 

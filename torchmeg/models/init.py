@@ -96,15 +96,24 @@ def open_uniform(z: torch.Tensor) -> torch.Tensor:
     return k.to(torch.float64).add_(0.5).mul_(2.0 ** -52)
 
 
-def uniform(index: torch.Tensor, key: int | list[int]) -> torch.Tensor:
+def uniform(index: torch.Tensor, key: int | list[int] | torch.Tensor) -> torch.Tensor:
     """float64 uniforms strictly inside (0, 1), each a pure function of (key, its index): the same
     counter-based draws as the weights', for whoever needs randomness that does not depend on how
     the work is batched or split (generation's sampling). `key` a list: one key per row of a 1-D
-    `index` (rows of several seeds drawn in one call, each as its own key would draw it)."""
+    `index` (rows of several seeds drawn in one call, each as its own key would draw it); a tensor:
+    those keys already mixed (seed_key's, int64 on the index's device: nothing made on the host)."""
     index = index.to(torch.int64).clone()
-    k = _key(key) if isinstance(key, int) else torch.tensor([_key(int(x)) for x in key], dtype=torch.int64,
-                                                             device=index.device)
+    if isinstance(key, torch.Tensor):
+        k = key
+    else:
+        k = _key(key) if isinstance(key, int) else torch.tensor([_key(int(x)) for x in key], dtype=torch.int64,
+                                                                 device=index.device)
     return open_uniform(_bits(index, k, torch.empty_like(index)))
+
+
+def seed_key(seed: int) -> int:
+    """The key `uniform` draws a seed's numbers under (a 64-bit word as a signed int64)."""
+    return _key(int(seed))
 
 
 def fill_block_(out: torch.Tensor, rule, seed: int, full_shape, offset) -> torch.Tensor:
