@@ -71,28 +71,33 @@ def test_abandoned_requests_of_every_kind_give_everything_back(debug_run):
             "chat stream, n 2": lambda: _leave(s.client.chat.completions.create(
                 model="debug", messages=chat, stream=True, n=2, **long)),
         }
+        def all_given_back():
+            deadline = time.time() + 30  # (a request whose client left before the server read it is admitted
+            while True:                 # after the client's end, and given back when the server sees it gone)
+                m = s.metrics()
+                if not (m["torchmeg_num_requests_admitted"] or m["torchmeg_num_requests_running"]
+                        or m["torchmeg_num_requests_waiting"]):
+                    return
+                assert time.time() < deadline, f"abandoned requests still hold their places: {m}"
+                time.sleep(0.02)
         sequences = 0  # admitted, each ended by its client
         for kind, abandon in kinds.items():
-            for _ in range(10 * 2):
+            for i in range(10 * 2):
                 try:
                     abandon()
+                    sequences += 2 if "n 2" in kind else 1
                 except openai.RateLimitError:  # (the previous one's end not yet heard: refused, not admitted)
-                    continue
-                except openai.APITimeoutError:
                     pass
-                sequences += 2 if "n 2" in kind else 1
-        deadline = time.time() + 30  # (a request whose client left before the server read it is admitted
-        while True:                 # after the client's end, and given back when the server sees it gone)
-            m = s.metrics()
-            if not (m["torchmeg_num_requests_admitted"] or m["torchmeg_num_requests_running"]
-                    or m["torchmeg_num_requests_waiting"]):
-                break
-            assert time.time() < deadline, f"abandoned requests still hold their places: {m}"
-            time.sleep(0.05)
+                except openai.APITimeoutError:
+                    sequences += 2 if "n 2" in kind else 1
+                if i % 2:  # every other one waits for the ends to be heard: each odd one comes back to back
+                    all_given_back()  # after an even one, every even one is admitted whatever the load
+                    # (all of them back to back, a loaded .ci/run admitted 38 of 80)
+        all_given_back()
         with ThreadPoolExecutor(2) as pool:
             done = list(pool.map(lambda p: _complete(s.client, p, 4), ["import", "def"]))
         assert [d[1:] for d in done] == [("length", 4)] * 2
-        assert sequences >= 4 * 10  # (most were admitted: the test abandoned what it means to)
+        assert sequences >= 4 * 10  # (at least the half that waited: the test abandoned what it means to)
         assert s.metrics()['torchmeg_request_success_total{finished_reason="abort"}'] == sequences
     finally:
         s.kill()
