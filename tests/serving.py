@@ -44,8 +44,9 @@ class Server:
             except OSError:
                 pass
             if any(p.poll() is not None for p in self.procs) or time.time() > deadline:
+                log = self.log()  # (read before kill, which removes the folder: a failure once said nothing)
                 self.kill()
-                raise AssertionError(f"the server did not start:\n{self.log()}")
+                raise AssertionError(f"the server did not start:\n{log}")
             time.sleep(0.2)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
