@@ -10,8 +10,8 @@ import struct
 import torch
 
 from torchmeg.batching.generation import SamplingMix, penalize_repetition, sample_each
-from torchmeg.models.init import seed_key
 from torchmeg.batching.scheduler import Job
+from torchmeg.models.init import seed_key
 
 
 def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
@@ -32,7 +32,8 @@ def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
     data += struct.unpack(f"<{len(floats)}q", struct.pack(f"<{len(floats)}d", *floats))
     penalties = []  # (row, (offset, length, fresh) of its repetition mask's tokens, the same of its counts')
     for i, job in enumerate(jobs):
-        if job.repetition == 1 and not ((job.presence or job.frequency) and job.tokens):
+        counted = bool((job.presence or job.frequency) and job.tokens)
+        if job.repetition == 1 and not counted:
             continue
         seen = counts = None
         if job.repetition != 1:  # the prompt's and the generated tokens (all of them on a fresh mask)
@@ -41,7 +42,7 @@ def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
                 job.tokens[0 if fresh else job.repetition_counted:]
             seen = (len(data), len(add), fresh)
             data += add
-        if (job.presence or job.frequency) and job.tokens:  # the generated tokens counted since the last step
+        if counted:  # the generated tokens counted since the last step
             fresh = _stale(job.penalty_counts, job.penalty_counted, job, vocab, dev)
             add = job.tokens[0 if fresh else job.penalty_counted:]
             counts = (len(data), len(add), fresh)
