@@ -148,8 +148,8 @@ def test_sampled_generation_is_seeded_and_batch_independent():
 
 @pytest.mark.parametrize("cache", ["generate", "engine"])
 def test_a_dropped_cache_frees_its_buffers_at_once(cache):
-    """A KV cache goes with its last reference: `generate`'s (models.kv_cache) and the engine's slots
-    (batching.slots, what serving and GRPO's rollout run). A reference cycle between a cache and its
+    """A KV cache goes with its last reference: `generate`'s (models.kv_cache) and the engine's pool
+    (batching.paged, what serving and GRPO's rollout run). A reference cycle between a cache and its
     layers kept every layer's K/V until the garbage collector ran: GRPO's rollout held it through the
     old policy's and the reference's log-prob forwards after it (12% of the debug recipe's rollout
     peak, tests/test_plan_post_training.py). The collector is off here: only reference counts free."""
@@ -164,8 +164,8 @@ def test_a_dropped_cache_frees_its_buffers_at_once(cache):
                 owner = KVCache(1, 16)
                 model(torch.tensor([[5, 6, 7, 8]]), positions=owner.positions(4), cache=owner)
             else:
-                runner = ModelRunner(model, "cpu", 2, 16)
-                runner.forward(Plan(prefill=[(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])]))
+                runner = ModelRunner(model, "cpu", 3, 16)
+                runner.forward(Plan(prefill=[(0, 0, [5, 6, 7, 8]), (1, 0, [9, 10])], tables={0: [1], 1: [2]}))
                 owner = runner.cache
                 del runner
         buffers = [weakref.ref(layer.k) for layer in owner.layers.values()]

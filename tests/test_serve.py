@@ -189,11 +189,12 @@ def test_abandoned_request_freed_unseeded_sampling_random_and_bodies_in_the_api_
 @pytest.mark.slow
 def test_tp2_serves_what_one_process_serves(debug_run, server):
     """Rank 0 of two answers; both run every forward on half the heads: the same texts as one
-    process, greedy and sampled, requests in flight together (more than its 4 slots), half of them
-    after one shared 53-token prefix (prefix caching: the copies run on both ranks); SIGTERM stops
-    both ranks with 0. Rank 1 has a quarter of rank 0's KV budget (a GPU with less memory free): the
-    ranks agree on the least, so a request as long as the header says fits on both (each rank sizing
-    its own, rank 1's cache would fill mid-request and end the server)."""
+    process, greedy and sampled, requests in flight together (more than its 4 sequences), half of them
+    after one shared 53-token prefix (prefix caching: both ranks read the mapped blocks, the block
+    tables in each step's plan); SIGTERM stops both ranks with 0. Rank 1 has a quarter of rank 0's KV
+    budget (a GPU with less memory free): the ranks agree on the least, so a request as long as the
+    header says fits on both (each rank sizing its own, rank 1's pool would run out mid-request and
+    end the server)."""
     tp = Server(debug_run, ["--max-seqs", "4", "--kv-cache-gib", "0.004"], nproc=2,
                 rank_env={1: {"TORCHMEG_TEST_KV_BUDGET_SCALE": "0.25"}})
     try:
@@ -204,11 +205,12 @@ def test_tp2_serves_what_one_process_serves(debug_run, server):
             two = list(pool.map(lambda r: _complete(tp.client, r[0], 20, **r[1]), reqs))
         assert two == one
         assert tp.metrics()["torchmeg_prefix_cache_hits_total"] > 0
-        header = next(line for f in ("0.out", "0.err") for line in open(os.path.join(tp.logs, f)) if "slots of" in line)
-        length = int(re.search(r"4 slots of (\d+) tokens", header).group(1))
-        # 4 slots of 2048 bytes a position per rank: rank 0's 0.004 GiB holds 524 positions a slot, rank 1's
-        # quarter 131; each sizing its own, rank 0 would admit what rank 1 cannot hold.
-        assert length == int(0.25 * 0.004 * 2 ** 30) // (4 * 2048) and "the least of 2 ranks'" in header, header
+        header = next(line for f in ("0.out", "0.err") for line in open(os.path.join(tp.logs, f)) if "KV pool" in line)
+        length, blocks = map(int, re.search(r"up to 4 sequences of (\d+) tokens \(KV pool (\d+) blocks of 16", header).groups())
+        # 2048 bytes a position per rank: rank 0's 0.004 GiB holds 131 blocks of 16 positions, rank 1's
+        # quarter 32 (one the null block); each sizing its own, rank 0 would admit what rank 1 cannot hold.
+        assert blocks == int(0.25 * 0.004 * 2 ** 30) // (16 * 2048) - 1 and length == 16 * blocks, header
+        assert "the least of 2 ranks'" in header, header
         r = tp.client.completions.create(model="debug", prompt=[65] * (length - 8), max_tokens=8, temperature=0.0,
                                          extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == length - 8, r

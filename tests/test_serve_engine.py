@@ -23,8 +23,8 @@ def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
     """Three slots, five sequences of different prompt and output lengths, greedy and seeded: some
     wait for a slot, one arrives while the others decode, long prompts take a step each (the
     prefill budget). Each gets the tokens torchmeg's `generate` gives it alone; in bf16 the cache
-    and the logits are bf16 (what ran, not only what was asked). `hf` (transformers' Llama, its own
-    cache): each sequence's forwards run alone, the scheduling is the same."""
+    and the logits are bf16 (what ran, not only what was asked). `hf` (transformers' Llama): its
+    attention over the same pool (models.hf_paged), where `generate` runs transformers' own cache."""
     cfg = load_config("recipes/hf_llama_debug.toml") if name == "hf" else \
         load_config("recipes/debug_llama.toml", [f"--model.name={name}", "--model.flavor=debug"])
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval().to(dtype)
@@ -52,11 +52,10 @@ def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
         # random model's near-ties flip on it; what is exact there is the prefill (one sequence).
         assert (got[i] if dtype == torch.float32 else got[i][:1]) == (alone if dtype == torch.float32 else alone[:1]), \
             (i, got[i], alone)
-    if name == "hf":
-        assert engine.own_cache and not engine.cache.layers and 0 < len(engine.own) <= 3
-    else:
-        cache = engine.cache.layers[next(iter(engine.cache.layers))]
-        assert cache.k.dtype == dtype and cache.k.shape[0] == 3
+    # the pool: the null block and what 3 sequences of 48 positions fill, blocks of 16 positions
+    cache = engine.cache.layers[next(iter(engine.cache.layers))]
+    assert not engine.own_cache and cache.k.dtype == dtype and cache.k.shape[1] == (1 + 3 * 3) * 16
+    assert engine.pool.used() == 0
     full = model(torch.tensor([prompts[0]]))
     last = model(torch.tensor([prompts[0]]), last_only=True)
     # the same numbers, the head's matmul over 1 row instead of 7 (another summation order): the
@@ -66,17 +65,18 @@ def test_continuous_batch_gives_each_sequence_its_tokens_alone(name, dtype):
 
 
 def test_a_kv_cache_that_does_not_fit_fails_at_start_in_one_line():
-    """`Engine.reserve` allocates the slots at start (the server calls it before listening): a size the
-    machine cannot hold is a ConfigError naming the two flags, not an error at the first request."""
+    """`Engine.reserve` allocates the KV pool at start (the server calls it before listening): a size the
+    machine cannot hold is a ConfigError naming the flag, not an error at the first request."""
     from torchmeg.config.errors import ConfigError
     cfg = load_config("recipes/debug_llama.toml")
     model = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
     a = model_args(cfg, 257)
+    # k, v x layers x (the null block + 2 sequences x 4 blocks) x 16 positions x kv heads x dim x fp32
     assert Engine(model, ByteTokenizer(), "cpu", max_seqs=2, max_len=64, max_queue=1).reserve() == \
-        2 * a.n_layers * 2 * a.kv_heads * 64 * a.head_dim * 4  # k, v x layers x slots x kv heads x positions x dim x fp32
-    # 2^54 bytes a buffer: more than any machine holds, refused by the allocator before a page is touched
-    with pytest.raises(ConfigError, match=r"^--max-seqs 1024 x --max-model-len 68719476736: the KV cache does not fit"):
-        Engine(model, ByteTokenizer(), "cpu", max_seqs=1024, max_len=2 ** 36, max_queue=1).reserve()
+        2 * a.n_layers * (1 + 2 * 4) * 16 * a.kv_heads * a.head_dim * 4
+    # 2^54 bytes a pool: more than any machine holds, refused by the allocator before a page is touched
+    with pytest.raises(ConfigError, match=r"^a KV pool of 137438953472 blocks does not fit .*; lower --kv-cache-gib$"):
+        Engine(model, ByteTokenizer(), "cpu", max_seqs=1024, max_len=2 ** 36, max_queue=1, num_blocks=2 ** 37).reserve()
 
 
 @pytest.mark.parametrize("budget", [2048, 8])

@@ -1,7 +1,6 @@
 """The serving engine's parts, each seen doing its job: the scheduler packs the prompts that start in
-a step into one forward, chunks a long prompt under the token budget beside the running decodes and
-keeps the running sequences in slots 0..n-1 (a departure moves one sequence; the decode step reads
-the cache as a view); the output processor detokenizes incrementally (a handful of tokens per
+a step into one forward, chunks a long prompt under the token budget beside the running decodes, and
+a decode forward has one row per decoding sequence (each through its block table); the output processor detokenizes incrementally (a handful of tokens per
 decode, the text = the tokenizer's own decode); the KV cache is sized from a memory budget; the
 metrics count what ran. Every sequence still gets the tokens `generate` gives it alone.
 """
@@ -18,10 +17,10 @@ from torchmeg.data.tokenizer import ByteTokenizer, HFTokenizer
 from torchmeg.batching.generation import Sampling, generate
 from torchmeg.models import build_model, materialize
 from torchmeg.models.args import model_args
-from torchmeg.batching import slots
+from torchmeg.batching import paged
 from torchmeg.batching.engine import Engine
 from torchmeg.batching.metrics import Metrics
-from torchmeg.serving.kv_budget import slot_length
+from torchmeg.serving.kv_budget import pool_size
 from torchmeg.batching.output import CONTEXT, Detokenizer
 from torchmeg.batching.runner import kv_bytes_per_token
 from torchmeg.batching.scheduler import Job
@@ -46,17 +45,16 @@ def _recording(engine):
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt_oss"])
-def test_prompts_pack_long_ones_chunk_and_running_slots_stay_contiguous(name, monkeypatch):
+def test_prompts_pack_long_ones_chunk_and_decode_rows_are_the_decoding_sequences(name, monkeypatch):
     """Five short prompts start in one step: one forward of all of them packed (a row of their summed
     length), the head on each one's last token. A 40-token prompt with a budget of 16 prompt tokens a
-    step is prefilled in chunks of 16, 16, 8 while the others decode in the same steps. Sequences
-    leave at different steps: after every step the running ones sit in slots 0..n-1 (moves happened,
-    each of a sequence's cached positions), and a decode forward has one row per running sequence.
-    Decode steps whose sequences' lengths differ widely attend per sequence over its own keys.
+    step is prefilled in chunks of 16, 16, 8 while the others decode in the same steps (a sequence
+    being prefilled rides in no decode row). Sequences leave at different steps and their blocks go
+    back: a decode forward has one row per decoding sequence, each through its own blocks. Decode steps whose sequences' lengths differ widely attend per sequence over its own keys.
     Every sequence gets `generate`'s tokens alone (greedy and seeded). gpt-oss reads the packed
     prompts' block-diagonal mask (its own attention), llama the per-prompt SDPA calls."""
     model, _ = _model(name)
-    monkeypatch.setattr(slots, "PER_ROW_BYTES", 0)  # per sequence at any padding (the rule: test below)
+    monkeypatch.setattr(paged, "PER_ROW_BYTES", 0)  # per sequence at any padding (the rule: test below)
     engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=5, max_len=96, max_queue=8, prefill_tokens=16)
     plans, shapes = _recording(engine)
     prompts = [list(b"ab"), list(b"cde"), list(b"f"), list(b"ghij"), list(b"kl")]
@@ -76,16 +74,16 @@ def test_prompts_pack_long_ones_chunk_and_running_slots_stay_contiguous(name, mo
     while engine.running or engine.waiting:
         engine.step()
         per_row.append(engine.cache.per_row)
-        assert sorted(engine.running) == list(range(len(engine.running)))
+        held = [b for j in engine.running.values() for b in j.blocks]
+        assert len(held) == len(set(held)) == engine.pool.used()  # (no prefix shared here: each block one owner)
+    assert engine.pool.used() == 0
     assert (any(per_row) and not all(per_row)) if name == "llama" else not any(per_row)  # (gpt-oss: its own attention)  # (decode over each sequence's own length where padding would waste)
     chunks = [(p.prefill, p.rows) for p in plans if any(len(c[2]) > 4 for c in p.prefill)]
     assert [len(c[0][0][2]) for c in chunks] == [16, 16, 8] and all(rows for _, rows in chunks), chunks
     assert [c[0][0][1] for c in chunks] == [0, 16, 32]
-    moves = [m for p in plans for m in p.moves]
-    assert moves and all(dst < src for src, dst, _ in moves)
-    for p in plans:
-        if p.rows:
-            assert p.rows == list(range(len(p.rows)))
+    decode_shapes = [s for s in shapes if s[1] == 1 and s[0] > 1]
+    assert [len(p.rows) for p in plans if len(p.rows) > 1] == [s[0] for s in decode_shapes]
+    assert all(set(p.rows).isdisjoint(c[0] for c in p.prefill) for p in plans)  # (prefilling: no decode row)
     for j, p, n, s in zip(jobs + [long], prompts + [long.prompt], lengths + [6], sampling + [Sampling()]):
         assert j.tokens == generate(model, [p], n, -1, s, "cpu")[0].tokens
 
@@ -96,20 +94,20 @@ def test_packed_prefill_reads_nothing_back_from_the_device():
     whose output size a CUDA kernel must read back, repeat_interleave without output_size among them)
     it raises nothing, and the positions restart at each prompt. (It read three lengths back before.)"""
     from host_reads import HostReads
-    cache = slots.SlotCache(4, 32, "cpu")
+    cache = paged.PagedCache(4, "cpu")
     with HostReads(refuse=True):
-        positions = cache.bind_packed([2, 0, 3], [3, 1, 4])
+        positions = cache.bind_packed([[2], [1], [3]], [3, 1, 4])
         mask = cache.mask(8, 8)
     assert positions.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]] and cache.spans == [(0, 3), (3, 4), (4, 8)]
-    assert cache.rows.tolist() == [[2, 2, 2, 0, 3, 3, 3, 3]] and mask[0, 0, 5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
+    assert cache.write.tolist() == [32, 33, 34, 16, 48, 49, 50, 51] and mask[0, 0, 5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]
 
 
 def test_decode_goes_per_sequence_where_the_padding_costs_more_than_a_call():
     """PER_ROW_BYTES (256 KiB, ~25 us of reading on this CPU, what an SDPA call costs) per sequence:
     two sequences of 1,000 and 100 positions at 1 KiB a position (the debug model) pad 900 KiB > 512
     KiB: per sequence; 300 and 200 pad 100 KiB: one call over the padded view."""
-    assert slots.per_row_pays([1000, 100], 1000, 1024) and not slots.per_row_pays([300, 200], 300, 1024)
-    assert slots.per_row_pays([300, 200], 300, 8 * 1024)  # (an 8B: 8 kv heads x 128 x (k, v) x fp32 = 8 KiB)
+    assert paged.per_row_pays([1000, 100], 1000, 1024) and not paged.per_row_pays([300, 200], 300, 1024)
+    assert paged.per_row_pays([300, 200], 300, 8 * 1024)  # (an 8B: 8 kv heads x 128 x (k, v) x fp32 = 8 KiB)
 
 
 def _sentencepiece_like(path):
@@ -158,21 +156,24 @@ def test_incremental_detokenization_is_the_tokenizers_decode(kind, tmp_path):
 
 
 def test_kv_cache_sized_from_the_budget():
-    """Bytes per position measured by a probe = layers x (k, v) x kv heads x head dim x fp32; without
-    --max-model-len a slot holds what the budget allows, capped at the model's context, and the
-    header's note says why; a size beyond the budget is one line naming the flags."""
+    """Bytes per position measured by a probe = layers x (k, v) x kv heads x head dim x fp32; the pool
+    holds at most what --max-seqs sequences of the length fill (plus the null block), less when the
+    budget is less; without --max-model-len a sequence holds what the pool allows, capped at the
+    model's context, and the header's note says why; a length beyond the budget is one line naming
+    the flags."""
     model, cfg = _model()
     a = model_args(cfg, 257)
     per = kv_bytes_per_token(model, "cpu")
     assert per == a.n_layers * 2 * a.kv_heads * a.head_dim * 4
-    assert slot_length(32, 0, 2048, per, 2 ** 30, "x") == (2048, "")  # 1 GiB holds 32 x 2048 x 4 KiB x 2
-    got, note = slot_length(32, 0, 2048, per, 32 * 1000 * per, "--kv-cache-gib 0.12")
-    assert got == 1000 and "--max-model-len 1000 of the model's 2048" in note
-    with pytest.raises(ConfigError, match=r"^--max-seqs 32 x --max-model-len 2048: the KV cache needs 0\.25 GiB, the "
-                                          r"budget is 0\.12 GiB \(--kv-cache-gib 0\.125\); lower either"):
-        slot_length(32, 2048, 2048, per, 2 ** 27, "--kv-cache-gib 0.125")
-    with pytest.raises(ConfigError, match=r"^--max-seqs 32: the KV cache budget .* holds 1 positions per slot"):
-        slot_length(32, 0, 2048, per, 32 * per, "x")
+    assert pool_size(32, 0, 2048, per, 2 ** 30, "x") == (2048, 1 + 32 * 128, "")  # (1 GiB holds more than that)
+    got, blocks, note = pool_size(32, 0, 2048, per, 101 * 16 * per, "--kv-cache-gib 0.12")
+    assert (got, blocks) == (1600, 101) and "--max-model-len 1600 of the model's 2048" in note
+    assert pool_size(32, 512, 2048, per, 101 * 16 * per, "x") == (512, 101, "")  # (32 x 512 need 1,024 blocks: shared)
+    with pytest.raises(ConfigError, match=r"^--max-model-len 2048: one sequence's KV takes 0\.0\d GiB, the "
+                                          r"budget is 0\.0\d GiB \(--kv-cache-gib 0\.01\); lower it or raise --kv-cache-gib"):
+        pool_size(32, 2048, 2048, per, 64 * 16 * per, "--kv-cache-gib 0.01")
+    with pytest.raises(ConfigError, match=r"^the KV cache budget .* holds 0 blocks of 16 positions"):
+        pool_size(32, 0, 2048, per, 16 * per, "x")
 
 
 def test_metrics_count_what_ran():

@@ -177,7 +177,8 @@ def engine_runner(args, rest):
 
     def run_engine(bodies: list[dict], concurrency: int, profile: bool = False) -> dict:
         engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
-                        a.prefill_tokens, prefix_caching=a.prefix_caching)
+                        a.prefill_tokens, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks)
+        engine.reserve()  # (the KV pool, allocated at start as the server does: not in the first request's time)
         records, ended = [], []
 
         def submit(body):
@@ -200,8 +201,10 @@ def engine_runner(args, rest):
         t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(min(concurrency, len(queue))):
             submit(queue.pop(0))
+        most = 0
         while engine.running or engine.waiting:
             engine.step()
+            most = max(most, len(engine.running))
             while ended:
                 ended.pop()
                 if queue:
@@ -210,8 +213,10 @@ def engine_runner(args, rest):
         if steps is not None:
             run_engine.profile = write_profile(args.profile, concurrency, steps, profiler)
         progress(f"{len(bodies)} requests at concurrency {concurrency}: {wall:.1f} s")
-        # the slot cache and its layers refer to each other: freed only by a collection, and the next
-        # run's engine reserves its own (a 1B's on an H200 ran out of memory at the second run)
+        kv = dict(most_running=most, preemptions=engine.scheduler.preemptions, kv_blocks=engine.pool.usable,
+                  kv_positions_written=engine.cache.written)
+        # (a collection before the next run's engine reserves its own pool: a 1B's on an H200 ran out of
+        # memory at the second run when a reference cycle kept the last one)
         engine = None
         gc.collect()
         got = []
@@ -221,7 +226,7 @@ def engine_runner(args, rest):
             ttft = st[0] if st else r["end"]
             got.append(dict(ttft=ttft, e2e=r["end"], tokens=n, itl=[b - a for a, b in zip(st, st[1:])],
                             tpot=(r["end"] - ttft) / (n - 1) if n > 1 else 0.0))
-        return summarize(got, wall, (time.process_time() - cpu0) / wall, concurrency)
+        return dict(summarize(got, wall, (time.process_time() - cpu0) / wall, concurrency), **kv)
     text = open(os.path.join(os.path.dirname(os.__file__), "argparse.py"), encoding="utf-8").read()
     run_engine.loaded, run_engine.cfg, run_engine.layout = loaded, cfg, layout
     return cfg.job.name + " (in process)", loaded.tokenizer.encode(text), run_engine
@@ -414,6 +419,11 @@ def main() -> None:
                 a, b = by[("shared", c)], by[("unrelated", c)]
                 print(f"shared prefix vs unrelated prompts at concurrency {c}: {b['seconds'] / a['seconds']:.2f}x "
                       f"faster in all, TTFT median {b['ttft_median_ms'] / max(a['ttft_median_ms'], 1e-9):.2f}x lower")
+        for r in rows:
+            if "most_running" in r:  # (--engine: the paged KV pool's use)
+                print(f"KV pool {r['set']} at concurrency {r['concurrency']}: {r['kv_blocks']:,} blocks of 16, at most "
+                      f"{r['most_running']} sequences at once, {r['preemptions']} preemptions, "
+                      f"{r['kv_positions_written']:,} positions written")
         for line in peers:
             print(line)
         if args.json:

@@ -2,8 +2,8 @@
 it when done. One direction of calls, one module each:
 
     API (serving.api) -> Engine.submit / cancel            (the server's threads, under `cond`)
-    Engine.step: Scheduler.schedule -> Plan               (batching.scheduler; under `cond`)
-                 ModelRunner.forward(plan) -> logits      (batching.runner, batching.slots)
+    Engine.step: Scheduler.schedule -> Plan               (batching.scheduler, batching.blocks; under `cond`)
+                 ModelRunner.forward(plan) -> logits      (batching.runner, batching.paged)
                  sample_rows / logprobs                   (batching.sampler)
                  OutputProcessor.advance per sequence     (batching.output; outside `cond`)
 
@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from torchmeg.batching.blocks import BlockPool, pool_blocks
 from torchmeg.batching.metrics import NoMetrics
 from torchmeg.batching.output import OutputProcessor
 from torchmeg.batching.runner import ModelRunner
@@ -31,10 +32,16 @@ log = logging.getLogger("torchmeg.serve")
 
 class Engine:
     def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
-                 prefill_tokens: int = 2048, channel=None, metrics=None, prefix_caching: bool = True):
+                 prefill_tokens: int = 2048, channel=None, metrics=None, prefix_caching: bool = True,
+                 num_blocks: int = 0):
+        """`num_blocks`: the KV pool's blocks (batching.blocks: the null block included; 0: enough for
+        `max_seqs` sequences of `max_len`, what serving.kv_budget sizes it at most)."""
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
-        self.runner = ModelRunner(model, device, max_seqs, max_len, eos_id=tokenizer.eos_id)
-        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, max_len, self.runner.filler,
+        self.pool = BlockPool(num_blocks or pool_blocks(max_seqs, max_len))
+        if self.pool.usable < self.pool.blocks_for(max_len):
+            raise ValueError(f"a KV pool of {self.pool.usable} blocks cannot hold one sequence of {max_len} positions")
+        self.runner = ModelRunner(model, device, self.pool.num_blocks, max_len, eos_id=tokenizer.eos_id)
+        self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, self.pool,
                                    prefix_caching=prefix_caching and not self.runner.own_cache)
         self.metrics = metrics if metrics is not None else NoMetrics()  # a server's: batching.metrics.Metrics
         self.output = OutputProcessor(tokenizer, self.metrics)
@@ -66,13 +73,13 @@ class Engine:
             self.cond.notify()
 
     def stats(self) -> dict:
-        """Sequences running and waiting, KV cache positions in use."""
+        """Sequences running and waiting, KV blocks in use of the pool's, preemptions so far."""
         with self.cond:
             return dict(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                        used=sum(j.cached for j in self.scheduler.running.values()))
+                        used=self.pool.used(), capacity=self.pool.usable, preemptions=self.scheduler.preemptions)
 
     def load(self) -> dict:
-        return dict(self.metrics.set_load(**self.stats(), capacity=self.max_seqs * self.max_len), max_seqs=self.max_seqs)
+        return dict(self.metrics.set_load(**self.stats()), max_seqs=self.max_seqs)
 
     def reserve(self) -> int:
         return self.runner.reserve()
@@ -101,20 +108,23 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         with self.cond:
-            plan, chunks, decoding, decode_rows = self.scheduler.schedule()
+            preempted = self.scheduler.preemptions
+            plan, chunks, decoding = self.scheduler.schedule()
+            preempted = self.scheduler.preemptions - preempted
             dropped = self.scheduler.take_dropped()
         for job in dropped:  # cancelled: its end is an event like any other (vLLM's "abort"), so the
             self.output.finish(job, "abort")  # API process and the relay forget it and its place is free
-        if not (plan.prefill or plan.rows or plan.moves):
+        self.metrics.preemptions.inc(preempted)
+        if not plan.runs():
             return
-        # a chunk that completes its prompt gives its sequence's first token
-        done = [i for i, j in enumerate(chunks) if j.prefilled == len(j.prompt)]
+        # a chunk that completes its context gives its sequence's next token (a prompt's: its first)
+        done = [i for i, j in enumerate(chunks) if not j.prefilling]
         jobs = [chunks[i] for i in done] + decoding
         try:
             if self.channel is not None:
                 self.channel(plan)
             logits = self.runner.forward(plan)
-            rows = logits[torch.tensor(done + [len(chunks) + r for r in decode_rows], dtype=torch.long)]
+            rows = logits[torch.tensor(done + list(range(len(chunks), len(chunks) + len(decoding))), dtype=torch.long)]
             new = sample_rows(rows, jobs) if jobs else []
             scores = token_logprobs(rows, jobs, new) if jobs else []
             for (slot, start, _), job in zip(plan.prefill, chunks):
@@ -129,7 +139,8 @@ class Engine:
             return
         self.metrics.steps.inc()
         self.metrics.prompt_tokens.inc(sum(len(c[2]) for c in plan.prefill))
-        self.metrics.cached_prompt_tokens.inc(sum(c[2] for c in plan.copies))
+        self.metrics.cached_prompt_tokens.inc(plan.hits)
+        self.metrics.prefix_queries.inc(plan.queries)
         for job, t, score in zip(jobs, new, scores):
             if job.cancelled:
                 continue

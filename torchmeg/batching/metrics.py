@@ -31,12 +31,16 @@ class Metrics:
         self.admitted = Gauge("torchmeg_num_requests_admitted", "Sequences the API process holds until their last "
                               "event (running, waiting, or on their way to the engine): what --max-queue bounds",
                               registry=r)
-        self.cache_usage = Gauge("torchmeg_kv_cache_usage_perc", "Fraction of KV cache positions in use", registry=r)
+        self.cache_usage = Gauge("torchmeg_kv_cache_usage_perc", "Fraction of the KV pool's blocks in use", registry=r)
         self.requests = Counter("torchmeg_requests", "Sequences submitted", registry=r)
         self.rejected = Counter("torchmeg_rejected", "Sequences refused: the queue was full", registry=r)
         self.prompt_tokens = Counter("torchmeg_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.cached_prompt_tokens = Counter("torchmeg_prefix_cache_hits", "Prompt tokens copied from a cached prefix "
+        self.cached_prompt_tokens = Counter("torchmeg_prefix_cache_hits", "Prompt tokens found in cached KV blocks "
                                             "instead of computed (prefix caching)", registry=r)
+        self.prefix_queries = Counter("torchmeg_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.preemptions = Counter("torchmeg_num_preemptions", "Sequences preempted: the KV pool ran out of blocks "
+                                   "(recomputed later)", registry=r)
         self.generation_tokens = Counter("torchmeg_generation_tokens", "Tokens generated (completion tokens, an end-of-sequence token included)", registry=r)
         self.steps = Counter("torchmeg_steps", "Engine steps (forwards of the continuous batch)", registry=r)
         self.success = Counter("torchmeg_request_success", "Sequences finished, by reason", ["finished_reason"],
@@ -48,9 +52,10 @@ class Metrics:
         self.e2e = Histogram("torchmeg_e2e_request_latency_seconds", "Submission to the last token", buckets=_E2E,
                              registry=r)
 
-    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None) -> dict:
-        """The gauges, from the engine's counts (`used` of `capacity` KV cache positions); `admitted`: the
-        API process's own count (serving.frontend)."""
+    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None,
+                 preemptions: int = 0) -> dict:
+        """The gauges, from the engine's counts (`used` of `capacity` KV blocks); `admitted`: the API
+        process's own count (serving.frontend)."""
         self.admitted.set(running + waiting if admitted is None else admitted)
         self.running.set(running)
         self.waiting.set(waiting)
@@ -86,8 +91,10 @@ class _Nothing:
 class NoMetrics:
     """Metrics' calls, counting nothing: an engine that no server exports (GRPO's rollouts)."""
     rejected = requests = prompt_tokens = cached_prompt_tokens = generation_tokens = steps = success = _Nothing()
+    prefix_queries = preemptions = _Nothing()
 
-    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None) -> dict:
+    def set_load(self, running: int, waiting: int, used: int, capacity: int, admitted: int | None = None,
+                 preemptions: int = 0) -> dict:
         return dict(running=running, waiting=waiting)
 
     def token(self, job, now: float) -> None:

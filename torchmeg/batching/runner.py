@@ -1,11 +1,12 @@
-"""The model runner: runs a step's plan (batching.scheduler.Plan) on the model and its KV cache.
+"""The model runner: runs a step's plan (batching.scheduler.Plan) on the model and its paged KV
+cache (batching.paged), through the block tables the plan carries.
 
-Prompts that start this step run packed in one forward (batching.slots.bind_packed: one row, each
-prompt attending to itself), the head on each prompt's last token only; chunks that continue a slot
-(the next chunk of a long prompt, the rest of a prompt after its cached prefix) run as rows of one
-forward when they are as long, else alone over their slot, as does a prompt whose every position is
-scored (echo); then every decoding sequence runs one token in one forward. Every tensor-parallel rank runs the same plan
-(`follow`), so their caches stay the same.
+Prompts that start this step run packed in one forward (batching.paged.bind_packed: one row, each
+prompt attending to itself), the head on each prompt's last token only; chunks that continue a
+sequence (the next chunk of a long prompt, the rest of a prompt after its cached prefix) run as rows
+of one forward when they are as long, else alone, as does a prompt whose every position is scored
+(echo); then every decoding sequence runs one token in one forward. Every tensor-parallel rank runs
+the same plan (`follow`), so their pools hold the same positions in the same blocks.
 """
 from __future__ import annotations
 
@@ -17,14 +18,14 @@ import torch
 from torchmeg.config.errors import ConfigError
 from torchmeg.models.kv_cache import KVCache, varying_shapes
 from torchmeg.batching.scheduler import Plan
-from torchmeg.batching.slots import SlotCache
+from torchmeg.batching.paged import PagedCache
 
 
 class ModelRunner:
-    def __init__(self, model, device, max_seqs: int, max_len: int, eos_id: int = 0):
+    def __init__(self, model, device, num_blocks: int, max_len: int, eos_id: int = 0):
         self.model, self.device, self.max_len = model, torch.device(device), max_len
-        self.max_seqs, self.filler = max_seqs, max(eos_id, 0)
-        self.cache = SlotCache(max_seqs, max_len, device)
+        self.filler = max(eos_id, 0)
+        self.cache = PagedCache(num_blocks, device)
         params = inspect.signature(model.forward).parameters
         self.last_only = "last_only" in params  # the head on chosen positions only (torchmeg's families)
         self.own_cache = bool(getattr(model, "keeps_own_cache", False))
@@ -40,13 +41,6 @@ class ModelRunner:
 
     def _forward(self, plan: Plan) -> torch.Tensor:
         self.full = {}
-        for src, dst, length in plan.moves:
-            if self.own_cache:
-                self.own[dst] = self.own.pop(src)
-            else:
-                self.cache.move(src, dst, length)
-        for src, dst, length in plan.copies:  # prefix caching (never planned for a model with its own cache)
-            self.cache.move(src, dst, length)
         if self.own_cache:
             return self._forward_each(plan)
         out: list[torch.Tensor | None] = [None] * len(plan.prefill)
@@ -54,7 +48,7 @@ class ModelRunner:
                   if start == 0 and slot not in plan.full and self.last_only]
         if packed:
             chunks = [plan.prefill[i] for i in packed]
-            positions = self.cache.bind_packed([c[0] for c in chunks], [len(c[2]) for c in chunks])
+            positions = self.cache.bind_packed([plan.tables[c[0]] for c in chunks], [len(c[2]) for c in chunks])
             tokens = torch.tensor([[t for c in chunks for t in c[2]]], dtype=torch.long, device=self.device)
             ends = torch.tensor([len(c[2]) for c in chunks], device=self.device).cumsum(0) - 1
             logits = self.model(tokens, positions=positions, cache=self.cache, last_only=ends)[0]
@@ -69,7 +63,8 @@ class ModelRunner:
                 groups.setdefault(len(chunk), []).append(i)
         for n, idx in groups.items():
             if len(idx) > 1:
-                positions = self.cache.bind([plan.prefill[i][0] for i in idx], [plan.prefill[i][1] for i in idx], n)
+                positions = self.cache.bind([plan.tables[plan.prefill[i][0]] for i in idx],
+                                            [plan.prefill[i][1] for i in idx], n)
                 tokens = torch.tensor([plan.prefill[i][2] for i in idx], dtype=torch.long, device=self.device)
                 head = {"last_only": True} if self.last_only else {}
                 logits = self.model(tokens, positions=positions, cache=self.cache, **head)[:, -1]
@@ -77,10 +72,11 @@ class ModelRunner:
                     out[i] = row
         for i, (slot, start, chunk) in enumerate(plan.prefill):
             if out[i] is None:
-                out[i] = self._chunk(plan, slot, chunk, self.cache.bind([slot], [start], len(chunk)), self.cache)[0]
+                positions = self.cache.bind([plan.tables[slot]], [start], len(chunk))
+                out[i] = self._chunk(plan, slot, chunk, positions, self.cache)[0]
         rows = [o[None] for o in out]
         if plan.rows:
-            positions = self.cache.bind(plan.rows, plan.starts, 1)
+            positions = self.cache.bind([plan.tables[s] for s in plan.rows], plan.starts, 1)
             tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
             rows.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
         return torch.cat(rows).float() if rows else torch.empty(0)
@@ -107,38 +103,33 @@ class ModelRunner:
             cache = self.own[slot]
             out.append(self._chunk(plan, slot, chunk, cache.positions(len(chunk)), cache))
             cache.advance(len(chunk))
-        decoded = []
-        for i, (slot, token) in enumerate(zip(plan.rows, plan.tokens)):
-            if i in plan.riders:  # (its own cache holds only what it has prefilled)
-                decoded.append(None)
-                continue
+        for slot, token in zip(plan.rows, plan.tokens):
             cache = self.own[slot]
             tokens = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            decoded.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
+            out.append(self.model(tokens, positions=cache.positions(1), cache=cache)[:, -1])
             cache.advance(1)
-        real = next((d for d in decoded if d is not None), None)
-        out += [torch.zeros_like(real) if d is None else d for d in decoded]
         return torch.cat(out).float() if out else torch.empty(0)
 
     def reserve(self) -> int:
-        """Allocate the KV cache now (a one-token prefill into slot 0; every rank at once under TP):
-        a cache that does not fit fails at start, not at the first request. -> its bytes."""
+        """Allocate the KV pool now (a one-token prefill into the null block, every rank at once under
+        TP): a pool that does not fit fails at start, not at the first request. -> its bytes."""
         try:
             with torch.no_grad():
-                self.forward(Plan(prefill=[(0, 0, [self.filler])]))
+                self.forward(Plan(prefill=[(0, 0, [self.filler])], tables={0: [0]}))
         except RuntimeError as e:  # torch.OutOfMemoryError on CUDA; the CPU allocator's "can't allocate"
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
-            raise ConfigError(f"--max-seqs {self.max_seqs} x --max-model-len {self.max_len}: the KV cache does not fit "
-                              f"({str(e).splitlines()[0]}); lower either") from None
-        bufs = [b for layer in self.cache.layers.values() for b in (layer.k, layer.v) if b is not None]
-        return sum(b.numel() * b.element_size() for b in bufs)
+            raise ConfigError(f"a KV pool of {self.cache.num_blocks} blocks does not fit "
+                              f"({str(e).splitlines()[0]}); lower --kv-cache-gib") from None
+        self.cache.written = 0  # (the null block's: no sequence's)
+        return self.cache.pool_bytes()
 
 
 def kv_bytes_per_token(model, device) -> int:
-    """KV cache bytes one position of one sequence takes on this rank (every layer, keys and values;
-    0 for a model that keeps its own cache): a cache of one slot of one position, reserved."""
-    return ModelRunner(model, device, 1, 1).reserve()
+    """KV cache bytes one position takes on this rank (every layer, keys and values; 0 for a model
+    that keeps its own cache): a pool of one block, reserved, over its positions."""
+    runner = ModelRunner(model, device, 1, 1)
+    return runner.reserve() // runner.cache.block_size
 
 
 def follow(runner: ModelRunner, receive: Callable[[], Plan]) -> None:
@@ -148,5 +139,5 @@ def follow(runner: ModelRunner, receive: Callable[[], Plan]) -> None:
             plan = receive()
             if plan.stop:
                 return
-            if plan.prefill or plan.rows or plan.moves:
+            if plan.runs():
                 runner.forward(plan)

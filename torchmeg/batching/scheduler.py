@@ -1,30 +1,31 @@
-"""Continuous batching's decisions: which sequences run in the next forward, in which slots.
+"""Continuous batching's decisions: which sequences run in the next forward, and in which blocks of
+the paged KV cache (batching.blocks) their keys go.
 
-Every step (`Scheduler.schedule`): cancelled and finished sequences leave (a cancelled one, running
-or waiting, is handed back through `take_dropped` to be finished as "abort", so whoever waits on it
-hears its end); the running sequences
-are kept in slots 0..n-1 (the last one moves into a hole: one copy per departure, `Plan.moves`, so
-the decode step reads the cache as a view); then prompt tokens are scheduled under a budget of
-`prefill_tokens` per step: first the next chunk of prompts already being prefilled, then new
-requests, each into the lowest free slot, a prompt longer than what is left of the budget taking a
-chunk of it (chunked prefill: a 4,000-token prompt does not stall the running sequences for more
-than a step's budget). Every running sequence whose prompt is in the cache decodes one token in
-the same step.
+Every step (`Scheduler.schedule`), as vLLM's scheduler decides its own:
 
-**Prefix caching.** A new prompt whose first tokens are already in another running sequence's slot
-(a chat system prompt, GRPO's `num_generations` completions of one prompt, few-shot examples) starts
-from a copy of those keys and values (`Plan.copies`, in whole blocks of BLOCK tokens, as vLLM's
-hashed blocks) and computes only the rest; a prompt that shares a prefix with one that is being
-prefilled in this very step waits a step for it, so a burst of requests with one system prompt
-computes it once. The copy is a read of the cache (one slot's positions, every layer), where
-computing them is a forward over them: vLLM shares the pages themselves (a page table the attention
-kernel reads; batching.slots says why the slots here are contiguous). Not for prompts whose every
-position is scored (echo: their logits are needed), nor models that keep their own cache.
+1. Cancelled and finished sequences leave; their blocks go back to the pool (a cancelled one,
+   running or waiting, is handed back through `take_dropped` to be finished as "abort", so whoever
+   waits on it hears its end). The full blocks the last step wrote are keyed (prefix caching).
+2. The running sequences, oldest first, each get the blocks for what they run now: one decode token,
+   or the next chunk of a prompt under the step's budget of `prefill_tokens` (chunked prefill: a
+   4,000-token prompt does not stall the running sequences for more than a step's budget). When the
+   pool has no free block, the newest running sequence is **preempted** (its blocks given back, its
+   tokens kept) and waits at the front of the queue; admitted again, it prefills its prompt and the
+   tokens it had generated (recompute, vLLM's default) and goes on: never failed, and its tokens the
+   ones it gets alone.
+3. Waiting sequences are admitted while the budget, `max_seqs` and the free blocks allow (a
+   watermark of blocks kept free, so an admission does not preempt at the next step what it
+   admitted).
+
+**Prefix caching.** A new prompt maps the cached blocks that hold its first tokens (a chat system
+prompt, GRPO's `num_generations` completions of one prompt, a conversation's next turn, a finished
+request's prompt) and computes only the rest: nothing is copied. A prompt whose prefix is being
+computed in this very step waits a step for it, so a burst of requests with one system prompt
+computes it once. Not for prompts whose every position is scored (echo: their logits are needed),
+nor models that keep their own cache.
 
 The plan is all the model runner (batching.runner) needs; under tensor parallel it is what rank 0
-broadcasts. With one slot of max_len per sequence an admitted sequence always fits: there is no
-preemption (a paged cache would admit more sequences than fit at their longest and preempt when
-the pages run out; see batching.slots).
+broadcasts, block tables included, so every rank's pool holds the same positions in the same blocks.
 """
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from torchmeg.batching.blocks import BLOCK, BlockPool
 from torchmeg.batching.generation import Sampling, row_streams
 
-
-BLOCK = 16  # prefix reuse in whole blocks of this many tokens (vLLM's default block size)
+WATERMARK = 0.01  # of the pool's blocks left free by an admission (vLLM's watermark)
 
 
 class QueueFull(Exception):
@@ -67,14 +68,18 @@ class Job:
     processed_logprobs: bool = False  # log-probs of the logits / temperature (what is sampled from; RL rollouts)
     # the engine's
     key: int = -1            # its number between the API process and the engine (serving.frontend)
-    slot: int = -1
-    prefilled: int = 0       # prompt tokens in the cache
+    slot: int = -1           # its number in the running batch (the plan names sequences by it)
+    prefilled: int = 0       # tokens of its context in the cache
+    recompute: int = 0       # generated tokens its context holds (preempted: prefilled again with the prompt)
+    blocks: list = field(default_factory=list)  # its block table (batching.blocks)
+    keys: list = field(default_factory=list)    # the keys of its blocks keyed so far
+    admitted: int = 0        # the step it was last admitted (preemption takes the latest first)
     tokens: list[int] = field(default_factory=list)
     text: str = ""           # their text so far (batching.output) and how much of it was sent
     sent: int = 0
     stream: int = 0          # its random stream (batching.generation.row_streams)
     finish_reason: str | None = None
-    cached_prompt: int = 0   # prompt tokens copied from another sequence's cache (prefix caching)
+    cached_prompt: int = 0   # prompt tokens found in cached blocks, not computed (prefix caching)
     # per generated token, and the end-of-text token that ended it: (logprob, [(token, logprob)...])
     token_logprobs: list = field(default_factory=list)
     prompt_token_logprobs: list = field(default_factory=list)  # per prompt token after the first, alike
@@ -84,45 +89,58 @@ class Job:
     stop_token: tuple | None = None  # (the end-of-sequence token that ended it, its score when log-probs are asked)
 
     @property
+    def context(self) -> list[int]:
+        """What its prefill computes: the prompt, and after a preemption the tokens it had generated."""
+        return self.prompt + self.tokens[:self.recompute] if self.recompute else self.prompt
+
+    @property
+    def final(self) -> int:
+        """The positions its keys reach at most (its prompt, and every token but the last)."""
+        return len(self.prompt) + max(self.max_tokens - 1, 0)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt) + self.recompute
+
+    @property
     def cached(self) -> int:
-        """Positions of its slot that hold keys (the newest token is written by the next decode)."""
-        return self.prefilled + max(len(self.tokens) - 1, 0)
+        """Positions whose keys its blocks hold (the newest token is written by the next decode)."""
+        if self.prefilling:
+            return self.prefilled
+        return len(self.prompt) + max(len(self.tokens) - 1, 0)
 
 
 @dataclass
 class Plan:
-    """One step's forwards. `moves`: (src, dst, length) slot copies first (a sequence moved); `copies`:
-    (src, dst, length) then, a prompt's cached prefix copied into its slot; `prefill`: (slot, start,
-    tokens) prompt chunks; `full`: the slots whose chunk keeps every position's logits (prompt
-    log-probs); then one decode token per slot in `rows` (`tokens`, at `starts`; `riders`: rows of
-    sequences still prefilling, whose logits are not read)."""
-    moves: list[tuple[int, int, int]] = field(default_factory=list)
-    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    """One step's forwards, naming sequences by their slot: `prefill`: (slot, start, tokens) chunks;
+    `full`: the slots whose chunk keeps every position's logits (prompt log-probs); then one decode
+    token per slot in `rows` (`tokens`, at `starts`); `tables`: the block table of every slot the step
+    runs. `hits` / `queries`: prompt tokens found in cached blocks / looked up, this step."""
     prefill: list[tuple[int, int, list[int]]] = field(default_factory=list)
     full: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
-    riders: list[int] = field(default_factory=list)  # rows of sequences still being prefilled (filler tokens)
+    tables: dict[int, list[int]] = field(default_factory=dict)
+    hits: int = 0
+    queries: int = 0
     stop: bool = False
 
-
-def _content(job: Job) -> list[int]:
-    """The tokens whose keys and values job's slot holds: its prompt so far, then what it generated
-    (the newest token is written by the next decode)."""
-    done = job.prompt[:job.prefilled]
-    return done + job.tokens[:-1] if job.prefilled == len(job.prompt) and len(job.tokens) > 1 else done
+    def runs(self) -> bool:
+        return bool(self.prefill or self.rows)
 
 
 class Scheduler:
-    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, max_len: int, filler: int = 0,
+    def __init__(self, max_seqs: int, max_queue: int, prefill_tokens: int, pool: BlockPool,
                  prefix_caching: bool = True):
         self.max_seqs, self.max_queue, self.prefill_tokens = max_seqs, max_queue, prefill_tokens
-        self.max_len, self.filler, self.prefix_caching = max_len, filler, prefix_caching
-        self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding)
+        self.pool, self.prefix_caching = pool, prefix_caching
+        self.running: dict[int, Job] = {}   # slot -> job (prefilling or decoding), oldest admitted first
         self.waiting: deque[Job] = deque()
-        self.free: dict[int, list[int]] = {}  # a free slot -> the tokens its cache still holds (prefix caching)
         self.dropped: list[Job] = []        # cancelled jobs taken out, not yet told (Engine.step: "abort")
+        self.preemptions = 0
+        self.steps = 0
+        self.watermark = int(WATERMARK * pool.usable)
 
     def take_dropped(self) -> list[Job]:
         out, self.dropped = self.dropped, []
@@ -137,100 +155,118 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[Plan, list[Job], list[Job], list[int]]:
-        """-> (the plan, the jobs of its prefill chunks in order, the decoding jobs, their rows)."""
+    def schedule(self) -> tuple[Plan, list[Job], list[Job]]:
+        """-> (the plan, the jobs of its prefill chunks in order, the decoding jobs in row order)."""
+        self.steps += 1
         for slot, job in list(self.running.items()):
             if job.cancelled or job.finish_reason is not None:
                 del self.running[slot]
                 if job.finish_reason is None:
                     self.dropped.append(job)
-                if self.prefix_caching and not (job.finish_reason or "").startswith("error"):
-                    self.free[slot] = _content(job)  # (a failed step may have left its slot half written)
+                # (a failed step may have half written its last blocks: never keyed, as they are not full)
+                if not (job.finish_reason or "").startswith("error"):
+                    self._key(job)
+                self.pool.release(job.blocks)
         if any(j.cancelled for j in self.waiting):  # (they held a queue place until now)
             self.dropped += [j for j in self.waiting if j.cancelled]
             self.waiting = deque(j for j in self.waiting if not j.cancelled)
-        plan = Plan(moves=self._compact())
-        # what each slot's cache holds as this step starts (running sequences', and what free slots
-        # kept of a finished or moved one's): the prefixes a new prompt can copy
-        held = ([(j.slot, _content(j)) for j in self.running.values() if j.prefilled] + list(self.free.items())
-                if self.prefix_caching and self.waiting else [])
-        budget, chunks, later = self.prefill_tokens, [], []
-        for job in sorted(self.running.values(), key=lambda j: j.slot):  # prompts being prefilled go on
-            if job.prefilled < len(job.prompt) and budget > 0:
-                budget -= self._chunk(plan, job, budget)
-                chunks.append(job)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            job = self.waiting.popleft()
-            src, reuse = self._prefix(job, held)
-            if self._prefix(job, [(c.slot, c.prompt[:c.prefilled]) for c in chunks])[1] > reuse:
-                later.append(job)  # a longer prefix of it is being computed now: copy it next step
+        for job in self.running.values():
+            self._key(job)
+        plan, budget, chunks, decoding = Plan(), self.prefill_tokens, [], []
+        order = list(self.running.values())
+        i = 0
+        while i < len(order):  # the running ones, oldest first, each its blocks for this step
+            job = order[i]
+            n = min(len(job.prompt) + job.recompute - job.prefilled, budget) if job.prefilling else 0
+            if job.prefilling and n <= 0:
+                i += 1
                 continue
-            job.slot = len(self.running)  # (slots 0..n-1 are taken: the compaction above)
-            job.stream = int(row_streams([job.prompt], job.sample_index)[0])
+            while not self.pool.grow(job.blocks, job.prefilled + n if n else job.cached + 1, job.final):
+                victim = order.pop()  # the newest admitted (the job itself when it is the newest)
+                self._preempt(victim)
+                if victim is job:
+                    break
+            else:
+                if n:
+                    budget -= self._chunk(plan, job, n)
+                    chunks.append(job)
+                else:
+                    decoding.append(job)
+                i += 1
+        later = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            job = self.waiting[0]
+            hit = self._hit(job)
+            reuse = len(hit) * self.pool.block_size
+            if self.prefix_caching and not job.prompt_logprobs and self._computing(job, chunks) > reuse:
+                later.append(self.waiting.popleft())  # a longer prefix of it is computed now: map it next step
+                continue
+            n = min(len(job.context) - reuse, budget)
+            taken = sum(1 for b in hit if not self.pool.ref.get(b))  # (cached blocks in the free queue)
+            new = self.pool.blocks_for(reuse + n) - len(hit)
+            if new + taken > self.pool.free_count() - (self.watermark if self.running else 0):
+                break  # until blocks come back
+            self.waiting.popleft()
+            job.slot = min(set(range(self.max_seqs)) - set(self.running))
+            if not job.admitted:  # (first admission; a preempted one keeps its stream and counts)
+                job.stream = int(row_streams([job.prompt], job.sample_index)[0])
+                job.cached_prompt = reuse
+                plan.queries += len(job.prompt)
+                plan.hits += reuse
+            job.admitted = self.steps
+            self.pool.share(job.blocks, hit)
+            job.keys = [self.pool.key[b] for b in hit]
+            self.pool.grow(job.blocks, reuse + n, job.final)
+            job.prefilled = reuse
             self.running[job.slot] = job
-            if reuse and src != job.slot:  # (its own slot may hold the prefix already: nothing to copy)
-                plan.copies.append((src, job.slot, reuse))
-            job.prefilled = job.cached_prompt = reuse
-            if self.free.pop(job.slot, None) is not None:  # written from now on
-                held = [(slot, toks) for slot, toks in held if slot != job.slot]
-            budget -= self._chunk(plan, job, budget)
+            budget -= self._chunk(plan, job, n)
             chunks.append(job)
         self.waiting.extendleft(reversed(later))
-        # One decode row per running slot, 0..n-1 (a view of the cache): a sequence still being
-        # prefilled rides along with a filler token written where its next chunk (or its first
-        # decode) writes over it, its logits not read.
-        prefilling = {id(j) for j in chunks}
-        decoding, rows = [], []
-        for slot in range(len(self.running)):
-            job = self.running[slot]
-            if job.prefilled == len(job.prompt) and job.tokens and id(job) not in prefilling:
-                decoding.append(len(rows))
-                plan.tokens.append(job.tokens[-1])
-                plan.starts.append(job.cached)
-            else:
-                plan.riders.append(len(rows))
-                plan.tokens.append(self.filler)
-                plan.starts.append(min(job.prefilled, self.max_len - 1))
-            rows.append(job)
-        plan.rows = list(range(len(rows))) if decoding else []
-        if not decoding:
-            plan.tokens, plan.starts, plan.riders = [], [], []
-        return plan, chunks, [rows[i] for i in decoding], decoding
+        for job in decoding:
+            plan.rows.append(job.slot)
+            plan.tokens.append(job.tokens[-1])
+            plan.starts.append(job.cached)
+        plan.tables = {j.slot: list(j.blocks) for j in chunks + decoding}
+        return plan, chunks, decoding
 
-    def _prefix(self, job: Job, held: list[tuple[int, list[int]]]) -> tuple[int, int]:
-        """(slot, length) of the longest prefix of job's prompt, in whole blocks, that a slot in `held`
-        ((slot, the tokens its cache holds)) holds, its own slot first on a tie; at least the prompt's
-        last token is left to compute (its logits give the first token). (-1, 0): none."""
+    def _hit(self, job: Job) -> list[int]:
+        """The cached blocks job's context starts with (at least its last token left to compute: its
+        logits give the next token)."""
         if not self.prefix_caching or job.prompt_logprobs:
-            return -1, 0
-        p, best, own = job.prompt, (-1, 0), len(self.running)
-        limit = (len(p) - 1) // BLOCK * BLOCK
-        for slot, other in held:
-            n, top = 0, min(limit, len(other) // BLOCK * BLOCK)
-            while n < top and p[n:n + BLOCK] == other[n:n + BLOCK]:
-                n += BLOCK
-            if n > best[1] or (n == best[1] and n and slot == own):
-                best = (slot, n)
+            return []
+        return self.pool.match(job.context, len(job.context) - 1)
+
+    def _computing(self, job: Job, chunks: list[Job]) -> int:
+        """The longest prefix of job's context, whole blocks, that this step's chunks compute."""
+        best, B, ctx = 0, self.pool.block_size, job.context
+        for c in chunks:
+            other, n = c.context, 0
+            top = min(len(ctx) - 1, c.prefilled) // B * B
+            while n < top and ctx[n:n + B] == other[n:n + B]:
+                n += B
+            best = max(best, n)
         return best
 
-    def _chunk(self, plan: Plan, job: Job, budget: int) -> int:
-        n = min(len(job.prompt) - job.prefilled, budget)
-        plan.prefill.append((job.slot, job.prefilled, job.prompt[job.prefilled:job.prefilled + n]))
-        if job.prompt_logprobs:
+    def _key(self, job: Job) -> None:
+        """Key the full blocks job's written positions fill (prefix caching)."""
+        if self.prefix_caching and job.cached // self.pool.block_size > len(job.keys):
+            self.pool.register(job.blocks, job.keys, job.prompt + job.tokens, job.cached)
+
+    def _preempt(self, job: Job) -> None:
+        """Out of the running batch, its blocks given back (its full ones keyed: its recompute may find
+        them), to the front of the queue; admitted again it prefills its prompt and its tokens."""
+        del self.running[job.slot]
+        self._key(job)
+        self.pool.release(job.blocks)
+        job.keys, job.prefilled, job.recompute = [], 0, len(job.tokens)
+        if not job.tokens:  # (its prompt's scores are computed again)
+            job.prompt_token_logprobs = []
+        self.waiting.appendleft(job)
+        self.preemptions += 1
+
+    def _chunk(self, plan: Plan, job: Job, n: int) -> int:
+        plan.prefill.append((job.slot, job.prefilled, job.context[job.prefilled:job.prefilled + n]))
+        if job.prompt_logprobs and not job.tokens:
             plan.full.append(job.slot)
         job.prefilled += n
         return n
-
-    def _compact(self) -> list[tuple[int, int, int]]:
-        """Move the highest running slots into the holes below them -> the moves, in order."""
-        moves, n = [], len(self.running)
-        holes = [s for s in range(n) if s not in self.running]
-        for dst, src in zip(holes, sorted((s for s in self.running if s >= n), reverse=True)):
-            job = self.running.pop(src)
-            moves.append((src, dst, job.cached))
-            job.slot = dst
-            self.running[dst] = job
-            if self.prefix_caching:  # dst is written over; src keeps a copy of what moved
-                self.free.pop(dst, None)
-                self.free[src] = _content(job)
-        return moves

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import inspect
 import json
 import os
 import types
@@ -30,7 +31,9 @@ from torch import nn
 from torchmeg.config.schema import coerce
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.extras import need
+from torchmeg.models import hf_paged
 from torchmeg.models.blocks import find_blocks, fqn_matches
+from torchmeg.models.kv_cache import head_positions
 
 
 @dataclass
@@ -136,7 +139,6 @@ def args_from_config(config) -> HFArgs:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM with torchmeg's model interface (see the module docstring)."""
-    keeps_own_cache = True  # generation: transformers' attention keeps its own cache (a server cannot batch slots)
 
     def __init__(self, args: HFArgs):
         super().__init__()
@@ -160,6 +162,10 @@ class HFCausalLM(nn.Module):
         self.add_module(prefix, getattr(hf, prefix))
         self.add_module("lm_head", lm_head)
         self.hf_class = type(hf).__name__
+        # serving: batched over the engine's paged KV cache where transformers' attention function can
+        # be ours (models.hf_paged); else transformers keeps its own cache, one sequence a forward
+        _, blocks = find_blocks(self)
+        self.keeps_own_cache = not hf_paged.supports(args.config, list(blocks.children()) if blocks is not None else [None])
         emb = hf.get_input_embeddings()
         self.embed_fqn = next(n for n, m in self.named_modules() if m is emb)
         self._hf_init = hf._init_weights  # bound: applies the config's init rules to one module
@@ -179,9 +185,14 @@ class HFCausalLM(nn.Module):
                 last_only: bool = False) -> torch.Tensor:
         """Logits [B, L, V]. Generation passes `positions` [B, L] and a torchmeg KVCache, which here
         carries transformers' own cache and the padding mask (models.kv_cache), and `last_only` at
-        prefill (logits [B, 1, V])."""
+        prefill (logits [B, 1, V], or at the positions a tensor names: models.kv_cache.head_positions);
+        the serving engine its paged cache (batching.paged), which transformers' attention reads and
+        writes through models.hf_paged."""
         base = getattr(self, self.base_prefix)
-        if cache is None:
+        if getattr(cache, "paged", False):  # the engine's (batching.paged.PagedCache)
+            with hf_paged.paged(self.config, cache):
+                h = base(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+        elif cache is None:
             # Positions given explicitly: under sequence parallel the embedding output is a sequence
             # shard, and the base model would count positions from its local length.
             pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
@@ -191,9 +202,11 @@ class HFCausalLM(nn.Module):
                 from transformers import DynamicCache  # lazy: see load_config
                 cache.model_state["hf"] = DynamicCache(config=self.config)
             n = tokens.shape[1]
-            h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n),
-                     past_key_values=cache.model_state["hf"], use_cache=True).last_hidden_state
-        h = h[:, -1:] if last_only else h
+            # (transformers 5.25 renamed `past_key_values` to `cache`, the old name goes in 5.40)
+            name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+            h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n), use_cache=True,
+                     **{name: cache.model_state["hf"]}).last_hidden_state
+        h = head_positions(h, last_only)
         if self.head_in_loss:
             return h
         logits = self.lm_head(h)

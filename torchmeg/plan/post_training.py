@@ -6,9 +6,9 @@ GRPO (torchmeg.train.grpo, torchmeg.train.rollout):
   so every phase of the step counts it (under LoRA the reference is the base with the adapters off,
   `models.lora.adapters_off`: nothing held);
 - the rollout before each step: every FSDP module unsharded (`rollout.gathered_weights`), the
-  engine's slot KV cache for the rank's rows (global batch / data-parallel shares) at the longest
+  engine's paged KV pool for the rank's rows (global batch / data-parallel shares) at the longest
   prompt plus the longest completion, and the packed prefill of each of the rank's prompts (one row
-  per group: the others copy its cached blocks, the engine's prefix caching) at its longest
+  per group: the others map its cached blocks, the engine's prefix caching) at its longest
   (`train.rollout.longest_prefill`: the engine's runner, one forward, the head on each prompt's last
   token), then the old policy's and the reference's no-grad log-prob forwards the trainer runs before
   the step (`grpo.extra_logps`): traced on fake tensors as memory phases of their own (`rollout_gather`,

@@ -10,7 +10,7 @@ folder (--checkpoint.folder), or Hugging Face weights for `hf` models. This proc
 and starts the HTTP server in a process of its own; under torchrun, tensor parallel over every
 launched process (rank 0 runs the engine, the other ranks follow its steps).
 Listens on 127.0.0.1 unless --host says otherwise. SIGTERM: stops accepting, finishes the requests in
-flight for up to --drain-timeout seconds, then closes what is left (their slots freed), exits 0.
+flight for up to --drain-timeout seconds, then closes what is left (their blocks freed), exits 0.
 Needs the serve extra: pip install -e '.[serve]'.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from torchmeg.batching.blocks import BLOCK
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.extras import need
 from torchmeg.config.schema import load_config
@@ -33,7 +34,7 @@ from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
-from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, slot_length
+from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, pool_size
 from torchmeg.inference.sampling_defaults import sampling_defaults
 from torchmeg.batching.runner import follow, kv_bytes_per_token
 from torchmeg.train.validate import validate
@@ -47,20 +48,22 @@ def parse(argv: list[str]):
     ap.add_argument("--config", required=True, help="the recipe the model was trained with")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-seqs", type=int, default=32, help="sequences decoded together (KV cache slots)")
+    ap.add_argument("--max-seqs", type=int, default=32,
+                    help="sequences decoded together at most (vLLM's --max-num-seqs); the KV pool holds what they fill "
+                    "at --max-model-len, or less under --kv-cache-gib: they share its blocks as their tokens arrive")
     ap.add_argument("--max-queue", type=int, default=256, help="requests waiting for a slot; beyond: 429")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="prompt + completion tokens per sequence (default: the model's max_seq_len, or what "
-                         "the KV cache budget holds at --max-seqs when that is less)")
+                         "the KV pool holds when that is less)")
     ap.add_argument("--kv-cache-gib", type=float, default=0.0,
-                    help="KV cache memory per rank (default: 90%% of the GPU memory free after the weights; "
-                         "4 GiB on a CPU)")
+                    help="KV pool memory per rank, at most what --max-seqs sequences of --max-model-len fill (default: "
+                         "90%% of the GPU memory free after the weights; 4 GiB on a CPU)")
     ap.add_argument("--prefill-tokens", type=int, default=2048,
                     help="prompt tokens prefilled per step beside the running decodes: a longer prompt is "
                          "prefilled in chunks (bounds the running sequences' inter-token gap)")
     ap.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false",
-                    help="compute every prompt whole (default: a prompt starts from a copy of the longest prefix, in "
-                    "blocks of 16 tokens, that a running sequence's cache holds, as vLLM's prefix caching)")
+                    help="compute every prompt whole (default: a prompt maps the cached KV blocks of 16 tokens that "
+                    "hold its longest prefix, a running or finished sequence's, as vLLM's prefix caching)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                     help="weights and KV cache: auto = bf16 on a GPU that has it, else fp32")
     ap.add_argument("--served-model-name", default="", help="the model id clients name (default: the job name)")
@@ -110,7 +113,7 @@ def run(prepared) -> None:
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     # (the queue is bounded by the API process, which sees every request first)
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
-                    a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching)
+                    a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks)
     a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
@@ -127,17 +130,18 @@ def run(prepared) -> None:
 
 
 def size_engine(a, model, device: torch.device) -> torch.dtype:
-    """The weights' dtype (--dtype) and the slots' length (--max-model-len, or what --kv-cache-gib's
-    budget holds at --max-seqs) as the server sets them, into `a.max_model_len` and `a.len_note`; also
-    tools/serve_bench.py --engine's, so the bench measures the engine the server runs. -> the dtype."""
+    """The weights' dtype (--dtype), the sequences' length (--max-model-len, or what the pool holds)
+    and the KV pool's blocks (--kv-cache-gib, at most what --max-seqs sequences fill) as the server sets
+    them, into `a.max_model_len`, `a.num_blocks` and `a.len_note`; also tools/serve_bench.py --engine's,
+    so the bench measures the engine the server runs. -> the dtype."""
     dtype = _dtype(a.dtype, device)
     if dtype != torch.float32:
         model.to(dtype)
     budget, source = budget_bytes(a.kv_cache_gib, device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         budget, source = agreed_budget(budget, source, device)
-    a.max_model_len, a.len_note = slot_length(a.max_seqs, a.max_model_len, a.limit, kv_bytes_per_token(model, device),
-                                              budget, source)
+    a.max_model_len, a.num_blocks, a.len_note = pool_size(a.max_seqs, a.max_model_len, a.limit,
+                                                          kv_bytes_per_token(model, device), budget, source)
     return dtype
 
 
@@ -149,8 +153,9 @@ def _serve_http(a, cfg, layout, loaded, engine, dtype) -> None:
     defaults, note = a.sampling
     kv = f" (KV heads x{a.kv_copies})" if a.kv_copies > 1 else ""
     header = (f"{PROG}: {cfg.model.name}/{cfg.model.flavor} from {loaded.source} | {layout.dims.describe()}{kv} | "
-              f"{str(dtype).replace('torch.', '')} | {a.max_seqs} slots of {a.max_model_len} tokens "
-              f"(KV cache {a.kv_bytes / 2 ** 30:.2f} GiB{' per rank' if dist.get_world_size() > 1 else ''}"
+              f"{str(dtype).replace('torch.', '')} | up to {a.max_seqs} sequences of {a.max_model_len} tokens "
+              f"(KV pool {max(a.num_blocks - 1, 0)} blocks of {BLOCK}, {a.kv_bytes / 2 ** 30:.2f} GiB"
+              f"{' per rank' if dist.get_world_size() > 1 else ''}"
               f"{'; ' + a.len_note if a.len_note else ''}) | http://{a.host}:{a.port}/v1" + (f"\n{PROG}: {note}" if note else ""))
     serve(engine, FrontendSpec(loaded.tokenizer, cfg, a.served_model_name or cfg.job.name, a.max_model_len,
                                a.max_seqs, a.max_queue, a.host, a.port, a.drain_timeout, header, defaults))

@@ -33,7 +33,7 @@ class EngineClient:
         self.jobs: dict[int, Job] = {}
         self.next_key = 0
         self.metrics = Metrics()
-        self.stats = dict(running=0, waiting=0, used=0)
+        self.stats = dict(running=0, waiting=0, used=0, capacity=1, preemptions=0)
         self.closed = asyncio.Event()
 
     def start(self, loop) -> None:
@@ -64,14 +64,14 @@ class EngineClient:
             self.conn.send(("cancel", job.key))
 
     def load(self) -> dict:
-        return dict(self.metrics.set_load(**self.stats, capacity=self.max_seqs * self.max_len, admitted=len(self.jobs)),
-                    max_seqs=self.max_seqs)
+        return dict(self.metrics.set_load(**self.stats, admitted=len(self.jobs)), max_seqs=self.max_seqs)
 
     def _read(self) -> None:
         try:
             while self.conn.poll():
                 steps, stats, events = self.conn.recv()
                 self.metrics.steps.inc(steps)
+                self.metrics.preemptions.inc(stats["preemptions"] - self.stats["preemptions"])
                 self.stats = stats
                 now = time.monotonic()
                 for key, text, ids, reason, score, prompt_scores, cached in events:
@@ -86,12 +86,13 @@ class EngineClient:
             self.closed.set()
 
     def _event(self, job, now, text, ids, reason, score, prompt_scores, cached: int | None) -> None:
-        """`cached`: set on a sequence's first event (its prompt done): prompt tokens copied from a
-        cached prefix (prefix caching)."""
+        """`cached`: set on a sequence's first event (its prompt done): prompt tokens found in cached
+        blocks (prefix caching)."""
         if job is None:
             return
         if cached is not None:
             self.metrics.prompt_tokens.inc(len(job.prompt))
+            self.metrics.prefix_queries.inc(len(job.prompt))
             self.metrics.cached_prompt_tokens.inc(cached)
             job.cached_prompt = cached
         if prompt_scores is not None:
