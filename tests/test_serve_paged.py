@@ -195,3 +195,24 @@ def test_hf_models_run_batched_over_the_pool_as_transformers_attends(fam):
         assert max(f[0] for f in forwards) == 1
     for j in jobs:
         assert j.tokens == _alone(model, j), (fam, jobs.index(j))
+
+
+def test_a_decode_step_makes_two_tensors_from_host_data_and_reads_back_once(model):
+    """The CPU shadow of a decode step's host work on a GPU: the step's tokens, starts and block
+    tables in one tensor made from host data, the sampling's settings in one (batching.sampler), and
+    one read back (the sampled tokens); the rows of a step that only decodes are a slice of the
+    logits, no index uploaded. (Before: tables and starts, tokens, the rows' index and sampling's:
+    four.)"""
+    from host_reads import HostReads
+    from test_sampling_device import _HostTensors
+    engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=4, max_len=64, max_queue=4)
+    jobs = [Job([5 + i, 6, 7], 6, Sampling(temperature=0.9, seed=i) if i % 2 else Sampling(), on_event=lambda *e: None)
+            for i in range(4)]
+    for j in jobs:
+        engine.submit(j)
+    engine.step()  # (the prompts, packed)
+    for _ in range(3):
+        with _HostTensors() as made, HostReads(refuse=False) as reads:
+            engine.step()
+        assert (made.uploads, reads.n) == (2, 1), (made.uploads, reads.n)
+    assert all(len(j.tokens) == 4 for j in jobs)

@@ -124,7 +124,12 @@ class Engine:
             if self.channel is not None:
                 self.channel(plan)
             logits = self.runner.forward(plan)
-            rows = logits[torch.tensor(done + list(range(len(chunks), len(chunks) + len(decoding))), dtype=torch.long)]
+            want = done + list(range(len(chunks), len(chunks) + len(decoding)))
+            # (a run of rows is a slice: no index to upload, as in every step that only decodes)
+            if want and want == list(range(want[0], want[0] + len(want))):
+                rows = logits[want[0]:want[-1] + 1]
+            else:
+                rows = logits[torch.tensor(want, dtype=torch.long, device=logits.device)]
             new = sample_rows(rows, jobs) if jobs else []
             scores = token_logprobs(rows, jobs, new) if jobs else []
             for (slot, start, _), job in zip(plan.prefill, chunks):

@@ -76,9 +76,10 @@ class PagedCache:
                 raise ValueError(f"a block table of {len(t)} blocks {t[:4]}... cannot hold {end} positions "
                                  f"in a pool of {self.num_blocks} blocks")
 
-    def bind(self, tables: list[list[int]], starts: list[int], n: int) -> torch.Tensor:
+    def bind(self, tables: list[list[int]], starts: list[int], n: int, tokens: list[list[int]] | None = None) -> torch.Tensor:
         """The next forward runs `n` new tokens in each sequence of `tables`, sequence i holding
-        starts[i] tokens already. -> their positions [len(tables), n]."""
+        starts[i] tokens already. -> their positions [len(tables), n]. `tokens` (each row's n) come up
+        in the same upload, as `self.tokens` [rows, n]."""
         self._check(tables, [s + n for s in starts])
         self.spans, self.n = None, n
         self.read_len = max(starts) + n
@@ -88,10 +89,12 @@ class PagedCache:
         self._decode = n == 1 and self.device.type == "cpu" and len(tables) > 1
         dev, B = self.device, self.block_size
         blocks = self.blocks_for(self.read_len)
-        # one upload: each row's start, then its table padded with the null block
-        host = [[s] + t[:blocks] + [NULL] * (blocks - len(t[:blocks])) for s, t in zip(starts, tables)]
+        # one upload: each row's start, its tokens, then its table padded with the null block
+        given = tokens or [[]] * len(tables)
+        host = [[s] + tk + t[:blocks] + [NULL] * (blocks - len(t[:blocks])) for s, tk, t in zip(starts, given, tables)]
         packed = torch.tensor(host, dtype=torch.long, device=dev)
-        start, table = packed[:, 0], packed[:, 1:]
+        w = 1 + (n if tokens else 0)
+        start, table, self.tokens = packed[:, 0], packed[:, w:], packed[:, 1:w]
         positions = start[:, None] + torch.arange(n, device=dev)
         self.write_at = positions
         every = (table[:, :, None] * B + torch.arange(B, device=dev)).flatten(1)[:, :self.read_len]

@@ -54,9 +54,9 @@ class ModelRunner:
             logits = self.model(tokens, positions=positions, cache=self.cache, last_only=ends)[0]
             for i, row in zip(packed, logits):
                 out[i] = row
-        # Chunks that continue a slot's cache (a long prompt's next chunk, a prompt after its cached
-        # prefix) run together when they are as long: one forward over their slots, each attending to
-        # its own keys (a burst of prompts after one cached system prompt: one forward, not one each).
+        # Chunks that continue a sequence (a long prompt's next chunk, a prompt after its cached prefix)
+        # run together when they are as long: one forward, each attending to its own keys through its
+        # table (a burst of prompts after one cached system prompt: one forward, not one each).
         groups: dict[int, list[int]] = {}
         for i, (slot, start, chunk) in enumerate(plan.prefill):
             if out[i] is None and slot not in plan.full:
@@ -64,10 +64,9 @@ class ModelRunner:
         for n, idx in groups.items():
             if len(idx) > 1:
                 positions = self.cache.bind([plan.tables[plan.prefill[i][0]] for i in idx],
-                                            [plan.prefill[i][1] for i in idx], n)
-                tokens = torch.tensor([plan.prefill[i][2] for i in idx], dtype=torch.long, device=self.device)
+                                            [plan.prefill[i][1] for i in idx], n, [plan.prefill[i][2] for i in idx])
                 head = {"last_only": True} if self.last_only else {}
-                logits = self.model(tokens, positions=positions, cache=self.cache, **head)[:, -1]
+                logits = self.model(self.cache.tokens, positions=positions, cache=self.cache, **head)[:, -1]
                 for i, row in zip(idx, logits):
                     out[i] = row
         for i, (slot, start, chunk) in enumerate(plan.prefill):
@@ -75,10 +74,9 @@ class ModelRunner:
                 positions = self.cache.bind([plan.tables[slot]], [start], len(chunk))
                 out[i] = self._chunk(plan, slot, chunk, positions, self.cache)[0]
         rows = [o[None] for o in out]
-        if plan.rows:
-            positions = self.cache.bind([plan.tables[s] for s in plan.rows], plan.starts, 1)
-            tokens = torch.tensor(plan.tokens, dtype=torch.long, device=self.device)[:, None]
-            rows.append(self.model(tokens, positions=positions, cache=self.cache)[:, -1])
+        if plan.rows:  # (the tokens, starts and tables in one upload)
+            positions = self.cache.bind([plan.tables[s] for s in plan.rows], plan.starts, 1, [[t] for t in plan.tokens])
+            rows.append(self.model(self.cache.tokens, positions=positions, cache=self.cache)[:, -1])
         return torch.cat(rows).float() if rows else torch.empty(0)
 
     def _chunk(self, plan: Plan, slot: int, chunk: list[int], positions, cache) -> torch.Tensor:
