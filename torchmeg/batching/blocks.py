@@ -34,9 +34,14 @@ BLOCK = 16  # positions per block (vLLM's default block size)
 NULL = 0    # the block padding reads
 
 
+def blocks_for(positions: int, block_size: int = BLOCK) -> int:
+    """The blocks `positions` positions fill."""
+    return -(-positions // block_size)
+
+
 def pool_blocks(sequences: int, length: int, block_size: int = BLOCK) -> int:
     """The blocks `sequences` sequences of `length` positions fill at most, the null block included."""
-    return 1 + sequences * -(-length // block_size)
+    return 1 + sequences * blocks_for(length, block_size)
 
 
 def block_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -65,7 +70,7 @@ class BlockPool:
         return len(self.free) + self.num_blocks - self.fresh
 
     def blocks_for(self, positions: int) -> int:
-        return -(-positions // self.block_size)
+        return blocks_for(positions, self.block_size)
 
     def grow(self, table: list[int], positions: int, final: int = 0) -> bool:
         """Blocks onto `table` until it holds `positions` positions -> False (and nothing taken) when

@@ -35,7 +35,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from torchmeg.batching.blocks import BLOCK, NULL
+from torchmeg.batching.blocks import BLOCK, NULL, blocks_for
 from torchmeg.models.kv_cache import LayerCache
 
 
@@ -88,7 +88,7 @@ class PagedCache:
         self.tables, self._views = tables, None
         self._decode = n == 1 and self.device.type == "cpu" and len(tables) > 1
         dev, B = self.device, self.block_size
-        blocks = self.blocks_for(self.read_len)
+        blocks = blocks_for(self.read_len, B)
         # one upload: each row's start, its tokens, then its table padded with the null block
         given = tokens or [[]] * len(tables)
         host = [[s] + tk + t[:blocks] + [NULL] * (blocks - len(t[:blocks])) for s, tk, t in zip(starts, given, tables)]
@@ -100,19 +100,14 @@ class PagedCache:
         every = (table[:, :, None] * B + torch.arange(B, device=dev)).flatten(1)[:, :self.read_len]
         self.read = every  # [rows, read_len] each key position's slot in the pool
         self.write = every.gather(1, positions).flatten()  # [rows * n]
-        # query i of row r may read keys j <= starts[r] + i: its own sequence, causally
-        keys = torch.arange(self.read_len, device=dev)
-        self._mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        self._mask = None  # (built when a layer asks: the per-sequence decode never does)
         self.written += n * len(tables)
         return positions
-
-    def blocks_for(self, positions: int) -> int:
-        return -(-positions // self.block_size)
 
     def run_start(self, table: list[int], length: int) -> int:
         """The pool position a sequence's keys start at when its first `length` positions lie in
         consecutive blocks (one slice of the pool); -1 when they do not."""
-        n = self.blocks_for(length)
+        n = blocks_for(length, self.block_size)
         first = table[0]
         return first * self.block_size if table[n - 1] - first == n - 1 and table[:n] == list(range(first, first + n)) else -1
 
@@ -144,7 +139,12 @@ class PagedCache:
 
     def mask(self, n: int, keys: int) -> torch.Tensor:
         assert n == self.n and keys == self.read_len, (n, keys, self.n, self.read_len)
-        if self._mask is None:  # packed: each prompt's tokens see their own prompt's, causally
+        if self._mask is not None:
+            return self._mask
+        if self.spans is None:  # query i of row r may read keys j <= starts[r] + i: its own sequence, causally
+            j = torch.arange(self.read_len, device=self.device)
+            self._mask = (j[None, None, :] <= self.write_at[:, :, None])[:, None]
+        else:  # packed: each prompt's tokens see their own prompt's, causally
             i = torch.arange(self.n, device=self.device)
             self._mask = ((self._doc[:, None] == self._doc[None, :]) & (i[None, :] <= i[:, None]))[None, None]
         return self._mask
@@ -188,8 +188,7 @@ class PagedLayer(LayerCache):
             return super().attend(q_BHLD, k_BKLD, v_BKLD)
         gqa = q_BHLD.shape[1] != k_BKLD.shape[1]
         if c.spans is not None:  # packed prompts: each one causally over its own new keys
-            k, v = self._store("k", k_BKLD), self._store("v", v_BKLD)
-            k, v = k_BKLD.to(k.dtype), v_BKLD.to(v.dtype)
+            k, v = self.update(k_BKLD, v_BKLD)
             return torch.cat([F.scaled_dot_product_attention(q_BHLD[:, :, a:b], k[:, :, a:b], v[:, :, a:b],
                                                              is_causal=True, enable_gqa=gqa) for a, b in c.spans], dim=2)
         # one query per sequence: each reads only its own positions, no mask; consecutive blocks as a

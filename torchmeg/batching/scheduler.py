@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from torchmeg.batching.blocks import BLOCK, BlockPool
+from torchmeg.batching.blocks import BlockPool
 from torchmeg.batching.generation import Sampling, row_streams
 
 WATERMARK = 0.01  # of the pool's blocks left free by an admission (vLLM's watermark)
@@ -73,7 +73,7 @@ class Job:
     recompute: int = 0       # generated tokens its context holds (preempted: prefilled again with the prompt)
     blocks: list = field(default_factory=list)  # its block table (batching.blocks)
     keys: list = field(default_factory=list)    # the keys of its blocks keyed so far
-    admitted: int = 0        # the step it was last admitted (preemption takes the latest first)
+    admitted: bool = False   # admitted before (a preempted one keeps its stream and counts)
     tokens: list[int] = field(default_factory=list)
     text: str = ""           # their text so far (batching.output) and how much of it was sent
     sent: int = 0
@@ -139,7 +139,6 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.dropped: list[Job] = []        # cancelled jobs taken out, not yet told (Engine.step: "abort")
         self.preemptions = 0
-        self.steps = 0
         self.watermark = int(WATERMARK * pool.usable)
 
     def take_dropped(self) -> list[Job]:
@@ -157,7 +156,6 @@ class Scheduler:
 
     def schedule(self) -> tuple[Plan, list[Job], list[Job]]:
         """-> (the plan, the jobs of its prefill chunks in order, the decoding jobs in row order)."""
-        self.steps += 1
         for slot, job in list(self.running.items()):
             if job.cancelled or job.finish_reason is not None:
                 del self.running[slot]
@@ -213,7 +211,7 @@ class Scheduler:
                 job.cached_prompt = reuse
                 plan.queries += len(job.prompt)
                 plan.hits += reuse
-            job.admitted = self.steps
+            job.admitted = True
             self.pool.share(job.blocks, hit)
             job.keys = [self.pool.key[b] for b in hit]
             self.pool.grow(job.blocks, reuse + n, job.final)

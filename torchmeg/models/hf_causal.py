@@ -164,6 +164,10 @@ class HFCausalLM(nn.Module):
         self.hf_class = type(hf).__name__
         # serving: batched over the engine's paged KV cache where transformers' attention function can
         # be ours (models.hf_paged); else transformers keeps its own cache, one sequence a forward
+        # generation's cache argument: transformers 5.25 renamed `past_key_values` to `cache` (the old
+        # name goes in 5.40); the installed version's, read once
+        params = inspect.signature(getattr(self, prefix).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         _, blocks = find_blocks(self)
         self.keeps_own_cache = not hf_paged.supports(args.config, list(blocks.children()) if blocks is not None else [None])
         emb = hf.get_input_embeddings()
@@ -202,10 +206,8 @@ class HFCausalLM(nn.Module):
                 from transformers import DynamicCache  # lazy: see load_config
                 cache.model_state["hf"] = DynamicCache(config=self.config)
             n = tokens.shape[1]
-            # (transformers 5.25 renamed `past_key_values` to `cache`, the old name goes in 5.40)
-            name = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
             h = base(input_ids=tokens, position_ids=positions, attention_mask=cache.key_mask(n), use_cache=True,
-                     **{name: cache.model_state["hf"]}).last_hidden_state
+                     **{self._cache_arg: cache.model_state["hf"]}).last_hidden_state
         h = head_positions(h, last_only)
         if self.head_in_loss:
             return h

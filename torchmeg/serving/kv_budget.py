@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from torchmeg.batching.blocks import BLOCK, pool_blocks
+from torchmeg.batching.blocks import BLOCK, blocks_for, pool_blocks
 from torchmeg.config.errors import ConfigError
 
 CPU_DEFAULT_GIB = 4.0
@@ -56,7 +56,7 @@ def pool_size(max_seqs: int, asked: int, limit: int, per_token: int, budget: int
     usable = budget // (per_token * BLOCK) - 1  # (block 0 is the null block)
     gib, note = 2 ** 30, ""
     if asked:
-        if -(-asked // BLOCK) > usable:
+        if blocks_for(asked) > usable:
             raise ConfigError(f"--max-model-len {asked}: one sequence's KV takes {asked * per_token / gib:.2f} GiB, the "
                               f"budget is {budget / gib:.2f} GiB ({source}); lower it or raise --kv-cache-gib")
         max_len = asked

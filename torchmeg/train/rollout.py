@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchmeg.batching.blocks import BLOCK, pool_blocks
+from torchmeg.batching.blocks import blocks_for, pool_blocks
 from torchmeg.batching.generation import Sampling
 from torchmeg.parallel.data import fsdp_modules
 from torchmeg.batching.engine import Engine
@@ -136,7 +136,7 @@ def longest_prefill(model, device, rows: int, prompts: int, prompt_len: int, max
     bookkeeping (positions from the prompts' lengths, read back as lists): on fake tensors it must run
     on values."""
     runner = ModelRunner(model, device, pool_blocks(rows, max_len), max_len)
-    per = -(-prompt_len // BLOCK)  # each prompt's blocks, after the null block
+    per = blocks_for(prompt_len)  # each prompt's blocks, after the null block
     tables = {i: list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(prompts)}
     bind = runner.cache.bind_packed
 
