@@ -147,5 +147,8 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     assert plans and all(r.get("predicted_step_ms", 0) > 0 and r.get("measured_step_ms", 0) > 0 for r in plans), plans
     md = (out / "gpu_check.md").read_text()
     assert all(f"### {name}: " in md for name in steps) and "| compiled ac=full |" in md
-    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.log", "gpu_check.md"]  # what $OUT brings back
+    assert steps["calibrate"]["calibration"] == "calibration.json" and "calibrated" in steps["calibrate"]["said"]
+    cal = json.loads((out / "calibration.json").read_text())  # (the device measured: comes back to ship for it)
+    assert cal["device"] == "cpu" and cal["matmul"]["float32"] and cal["memory"]["add"]
+    assert sorted(os.listdir(out)) == ["calibration.json", "gpu_check.json", "gpu_check.log", "gpu_check.md"]
     assert not [f for f in os.listdir(tmp) if f.startswith("torchmeg-")], os.listdir(tmp)  # its work folders gone

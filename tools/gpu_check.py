@@ -8,6 +8,9 @@ Steps, in this order, each a process of its own, bounded in time, its failure re
 stopping the rest (a step the remaining --budget cannot hold is skipped, by name, with why; a bench
 step cut short by its time keeps the settings it measured, status "partial"):
 
+  calibrate         python -m torchmeg.plan --calibrate: this device's matmuls by shape and dtype (float8
+                    where it has them), attention, memory-bound ops, an eager op's host cost; the file
+                    comes back in <out>/calibration.json and the planner step below predicts from it
   compile_vs_eager  a 1B Llama (Llama 3.2 1B's shape, bf16, seq 2,048, batch 4) eager and compiled,
                     without and with full activation recompute: tokens/s, MFU against the device's
                     datasheet peak, peak memory, compile time (tools/bench.py --one-at-a-time)
@@ -19,9 +22,9 @@ step cut short by its time keeps the settings it measured, status "partial"):
                     causal SDPA, forward and backward
   serving           the 1B's engine, 32 requests one by one vs 32 at once: tokens/s, TTFT; then the
                     32 at once sampled (temperature, top_p, a presence penalty): it must end
-  planner           the planner's prediction (python -m torchmeg.plan --world 1 --gpu <this GPU>)
-                    for every compile_vs_eager and float8 setting beside what ran (planned on the
-                    CPU while the GPU steps run)
+  planner           the planner's prediction (python -m torchmeg.plan --world 1 --gpu <this GPU>, with
+                    --calibration from the calibrate step when it ran) for every compile_vs_eager and
+                    float8 setting beside what ran (planned on the CPU while the GPU steps run)
   gpu_suite         pytest tests/gpu, every test's outcome
 
 --cpu runs each step at toy size on the CPU (fp32, float8 emulated, eager float8, no Triton,
@@ -87,6 +90,8 @@ class Check:
         self.precision = "fp32" if cpu else "bf16"
         self.plans: dict[str, dict] = {}
         self.planner: threading.Thread | None = None
+        self.calibrated = threading.Event()  # set when the calibrate step has ended (or is not run)
+        self.calibration = os.path.join(out, "calibration.json")
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - self.t0)
@@ -204,17 +209,30 @@ def plan_settings(check: Check) -> dict[str, list[str]]:
     return out
 
 
+def calibrate(check: Check, timeout: float) -> dict:
+    """This device measured for the planner (its file comes back in <out>); the planner thread waits for it."""
+    try:
+        out = check.sh([sys.executable, "-m", "torchmeg.plan", "--calibrate", "--out", check.calibration]
+                       + (["--budget", "0.3"] if check.cpu else []), timeout)
+        return {"calibration": os.path.basename(check.calibration), "said": out.strip().splitlines()[-1][:300]}
+    finally:
+        check.calibrated.set()
+
+
 def start_planner(check: Check, gpu: str) -> None:
     """Plans every setting on the CPU, one after another, in a thread beside the GPU steps (the dry
-    runs use fake tensors: no GPU memory, few cores)."""
+    runs use fake tensors: no GPU memory, few cores), from the calibrate step's file when it made one."""
     def work():
+        check.calibrated.wait(timeout=check.left())
+        cal = ["--calibration", check.calibration] if os.path.exists(check.calibration) and not check.cpu else []
         for name, ov in plan_settings(check).items():
             path = os.path.join(check.work, f"plan {name}.json".replace(" ", "_").replace("=", "-"))
             try:
                 check.sh([sys.executable, "-m", "torchmeg.plan", *RECIPE, "--world", "1", "--gpu", gpu, "--json", path,
-                          *check.model, *ov], 600, env={"OMP_NUM_THREADS": "2" if check.cpu else "4"})
+                          *cal, *check.model, *ov], 600, env={"OMP_NUM_THREADS": "2" if check.cpu else "4"})
                 p = json.load(open(path))
-                check.plans[name] = {"predicted_step_ms": 1000 * p["step_s"], "predicted_mfu": p["mfu"],
+                check.plans[name] = {"predicted_step_ms": 1000 * p["predicted_step_s"], "predicted_mfu": p["predicted_mfu"],
+                                     "roofline_step_ms": 1000 * p["step_s"], "calibrated": bool(cal),
                                      "predicted_memory_gib": p["ranks"][0]["peak_bytes"] / 2 ** 30,
                                      "fits": p["fits"]}
             except Exception as e:  # recorded per setting; the others are still planned
@@ -272,7 +290,8 @@ def gpu_suite(check: Check, timeout: float) -> dict:
             **({"pytest": failed[:600]} if failed else {})}
 
 
-STEPS = [Step("compile_vs_eager", 210, 60, False, compile_vs_eager),
+STEPS = [Step("calibrate", 90, 30, False, calibrate),
+         Step("compile_vs_eager", 210, 60, False, compile_vs_eager),
          Step("float8", 160, 60, False, float8),
          Step("fused_ce", 60, 20, False, kernels("fused_ce")),
          Step("sink_attention", 60, 20, False, kernels("sink_attention")),
@@ -324,6 +343,8 @@ def main(argv=None) -> int:
     print(f"[gpu_check] {env['device']} | torch {env['torch']} | torchao {env['torchao']} | "
           f"torchdata {env['torchdata']}", flush=True)
     steps = [s for s in STEPS if not only or s.name in only]
+    if not any(s.name == "calibrate" for s in steps):
+        check.calibrated.set()
     if any(s.name == "planner" for s in steps):
         gpu = "h100" if a.cpu else key_for_device(env["device"])
         if gpu is None:

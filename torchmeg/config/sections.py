@@ -246,7 +246,11 @@ class Comm:
 class Plan:
     world_size: int = _f(0, lo=0, help="the world this recipe is meant for (python -m torchmeg.plan); 0 = from the "
                                         "degrees, which then must not use data_parallel_shard_degree = -1")
-    gpu: str = _f("h100", choices=["h100", "h100-500w", "h200", "b200", "a100"], help="the GPU python -m torchmeg.plan predicts for")
+    gpu: str = _f("h100", choices=["h100", "h100-500w", "h200", "b200", "a100", "cpu"],
+                  help="the device python -m torchmeg.plan predicts for; cpu: this machine, as calibrated")
+    calibration: str = _f("", help="a calibration file (python -m torchmeg.plan --calibrate): the predicted step from "
+                                   "what that device measured, op by op; '' = the GPU's data-sheet efficiencies "
+                                   "(cpu: the default calibration of this machine)")
     trace_layers: str = _f("sampled", choices=["sampled", "all"],
                            help="sampled: trace the first and last layer of each pipeline stage and two of each kind "
                                 "between, scaled to the whole depth (torchmeg.plan.depth); all: trace every layer")

@@ -1,5 +1,6 @@
-"""python -m torchmeg.plan --config RECIPE [--world N] [--gpu h100|h100-500w|h200|b200|a100] [--search]
-                          [--json FILE] [--section.key=value ...]
+"""python -m torchmeg.plan --config RECIPE [--world N] [--gpu h100|h100-500w|h200|b200|a100 | --device cpu]
+                          [--calibration FILE] [--search] [--json FILE] [--section.key=value ...]
+   python -m torchmeg.plan --calibrate [--out FILE] [--budget S]      (under torchrun: the collectives too)
 
 Plans a recipe at its real world size on this machine: no GPU, no peers. One training step runs
 on fake tensors over torch's fake process group for a representative rank of each pipeline stage
@@ -8,6 +9,9 @@ reports parameter / gradient / optimizer / activation memory and the peak, bytes
 mesh dim, FLOPs, and a predicted step time and MFU on the named GPU (torchmeg.plan.predict).
 --search tries other layouts of the same world (tp, pp, cp, dp_shard, recompute, local batch at the
 same global batch) and ranks those that fit by predicted step time.
+
+--calibrate measures the device it runs on (torchmeg.plan.calibrate); --calibration FILE predicts from
+such a file op by op, and --device cpu plans this machine from its own (torchmeg.plan.calibrated).
 
 Under torchrun, --measure runs the real trainer instead and measures its step 2 the same way:
 the numbers the plan predicts, taken from a real run (tests compare the two).
@@ -21,6 +25,7 @@ import sys
 
 from torchmeg.config.schema import load_config
 from torchmeg.config.errors import ConfigError
+from torchmeg.plan.calibrate import calibrate_main
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.measure import measure_main
 from torchmeg.plan.planner import plan, recipe_world
@@ -32,9 +37,20 @@ GIB = 2 ** 30
 def parse(argv):
     ap = argparse.ArgumentParser(prog="python -m torchmeg.plan", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this device (matmuls, attention, memory-bound ops, an eager op's cost; under torchrun "
+                         "the collectives too) and write a calibration file for --calibration (torchmeg.plan.calibrate)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="--calibrate: seconds each table may take at most (default 10; less measures fewer sizes)")
+    ap.add_argument("--out", default=None, help="--calibrate: the file written (default: ~/.cache/torchmeg/"
+                                                "calibration-<device>-<ranks>rank.json)")
     ap.add_argument("--world", type=int, default=None, help="world size (default: what the recipe's layout implies)")
     ap.add_argument("--gpu", default=None, help="h100 | h100-500w | h200 | b200 | a100 (default: the recipe's plan.gpu, else h100)")
+    ap.add_argument("--device", default=None, choices=["cpu"],
+                    help="cpu: plan for this machine as calibrated (--calibration, else its default calibration)")
+    ap.add_argument("--calibration", default=None,
+                    help="a calibration file (--calibrate wrote it): predict from what that device measured")
     ap.add_argument("--gpus-per-node", type=int, default=None,
                     help="ranks per node (default: the GPU's usual node, 8): groups inside a node use its fast links")
     ap.add_argument("--search", action="store_true", help="rank other layouts of the same world that fit")
@@ -80,12 +96,19 @@ def render(p: dict) -> str:
                         if pipe else "")
                      + f" -> step {r['step_s']:.3f} s")
     lines += ["", f"predicted: step {p['predicted_step_s']:.3f} s, {p['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s "
-              f"per GPU, MFU {100 * p['predicted_mfu']:.1f}% (measured kernel efficiencies: torchmeg.plan.efficiency)",
+              f"per GPU, MFU {100 * p['predicted_mfu']:.1f}% ({_source(p)})",
               f"upper bound: step {p['step_s']:.3f} s, {p['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
               f"MFU {100 * p['mfu']:.1f}% (roofline at data-sheet peaks), "
               f"{'fits' if p['fits'] else 'DOES NOT FIT'} in {p['gpu_memory_bytes'] / 1e9:.0f} GB "
               f"(peak x 1.1 + 2 GiB runtime)   [dry run {p['dry_run_s']:.1f} s{_traced(p)}]"]
     return "\n".join(lines)
+
+
+def _source(p: dict) -> str:
+    """Where the predicted step's rates came from."""
+    if p.get("calibration"):
+        return f"this device as measured: {p['calibration']}"
+    return "measured kernel efficiencies: torchmeg.plan.efficiency"
 
 
 def _traced(p: dict) -> str:
@@ -99,6 +122,11 @@ def _traced(p: dict) -> str:
 
 def main(argv=None) -> int:
     a, rest = parse(sys.argv[1:] if argv is None else argv)
+    if a.calibrate:
+        return calibrate_main(a.out, a.budget) if a.budget else calibrate_main(a.out)
+    if a.config is None:
+        print("torchmeg.plan: error: --config RECIPE is required (or --calibrate)", file=sys.stderr, flush=True)
+        return 2
     try:
         cfg = load_config(a.config, rest)
         if a.measure:
@@ -106,9 +134,12 @@ def main(argv=None) -> int:
         world, source = (a.world, "--world") if a.world else recipe_world(cfg)
         if source.startswith("parallelism."):  # (the header says why this world)
             print(f"world {world}: {source}", flush=True)
-        gpu = (a.gpu or cfg.plan.gpu).lower()
-        if gpu not in GPUS:
-            raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)}")
+        gpu = "cpu" if a.device == "cpu" else (a.gpu or cfg.plan.gpu).lower()
+        if gpu not in GPUS and gpu != "cpu":
+            raise ConfigError(f"--gpu {gpu!r}: unknown; one of {', '.join(GPUS)} (or --device cpu)")
+        cfg.plan.gpu = gpu  # (the dry run builds the program of the device planned for)
+        if a.calibration:
+            cfg.plan.calibration = a.calibration
         if a.search:
             result = search(cfg, world, gpu, a.top, a.limit, a.gpus_per_node)
         else:

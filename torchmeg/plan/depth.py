@@ -258,6 +258,8 @@ def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:
         if n > 0:
             out += [op] * n
         elif n < 0:
+            if op[3] == "subclass":  # (a count of host work only, none in the base's surplus)
+                continue
             if op[0] or op[3] != "memory":
                 raise NotLinear(f"an op with FLOPs changes with the depth: {op}")
             nbytes += n * op[1]

@@ -35,7 +35,9 @@ end to end         what no kernel benchmark shows -- kernels slowed by the colle
                     (its FSDP traffic, 1.17 s at 80% of 400 Gb/s, hides under it): 1.138 / 1.498 = 0.76.
                     `python tools/plan_vs_published.py` prints that row and the held-out ones
                     (torchtitan's 8B eager / compile / float8 on H100), which tests/test_plan_predict.py
-                    checks within 15%.
+                    checks within 15%. A plan with a calibration (python -m torchmeg.plan --calibrate on the
+                    device; --calibration FILE) uses neither these efficiencies nor this factor: every op
+                    is priced from what that device measured (torchmeg.plan.calibrated).
 """
 from __future__ import annotations
 

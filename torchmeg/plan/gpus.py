@@ -16,8 +16,11 @@ sparsity), per GPU of an 8-GPU HGX/DGX node.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
+from torchmeg.plan.calibrated import Calibration, default_calibration
 from torchmeg.plan.efficiency import EFFICIENCY, Efficiency
 
 
@@ -32,11 +35,15 @@ class GPU:
     network_bw: float      # bytes/s each way per GPU, between nodes
     gpus_per_node: int = 8
     efficiency: Efficiency = EFFICIENCY["h100"]  # measured fraction of each peak (torchmeg.plan.efficiency)
+    # what this device was measured to do (torchmeg.plan.calibrated.Calibration): the predicted step
+    # then comes from it, op by op, instead of the efficiencies above
+    calibration: object = None
+    fp32_flops: float = 0.0  # dense fp32 peak where it is not half of bf16's (a CPU: measured)
 
     def peak(self, dtype: str) -> float:
         """Peak FLOP/s for the recipe's compute: bf16 (also fp8's master path), fp32 as TF32 = half."""
         return {"bf16": self.bf16_flops, "fp8": self.fp8_flops or self.bf16_flops,
-                "fp32": self.bf16_flops / 2}[dtype]
+                "fp32": self.fp32_flops or self.bf16_flops / 2}[dtype]
 
 
 GB = 1e9
@@ -57,3 +64,19 @@ def key_for_device(device_name: str) -> str | None:
     "h100"); None for a device the table does not hold. h100-500w is left out: its device name is an
     H100's, so a plan for it is asked for by name."""
     return next((key for key in ("h100", "h200", "b200", "a100") if key.upper() in device_name), None)
+
+
+def target(name: str, calibration: str = "", world: int = 1) -> GPU:
+    """The device a plan is for: a GPU of the table (with a calibration file, its predicted step comes from
+    what that device measured), or "cpu": this machine as calibrated (`python -m torchmeg.plan --calibrate`;
+    its rates, bandwidth and links from the file, its memory the machine's RAM shared by its ranks)."""
+    if name != "cpu":
+        gpu = GPUS[name]
+        return dataclasses.replace(gpu, calibration=Calibration.load(calibration)) if calibration else gpu
+    cal = Calibration.load(calibration or default_calibration("cpu", world))
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    links = cal.collectives.get("all_gather") or [[1.0, 1.0]]
+    link_bw = max(b / t for b, t in links)
+    return GPU(f"CPU {cal.name} ({cal.ranks} rank(s) x {cal.threads} threads, calibrated)", cal.best_rate("bfloat16"),
+               0.0, ram / max(1, world), cal.best_bandwidth(), link_bw, link_bw, gpus_per_node=max(1, world),
+               calibration=cal, fp32_flops=cal.best_rate("float32"))

@@ -28,6 +28,7 @@ class Traffic:
     writes: list = field(default_factory=list)   # (storage key, bytes)
     fusable: bool = False
     starts_group: bool = False                   # a collective ran just before: fusion cannot cross it
+    ghost: bool = False                          # no kernel (a tensor subclass's op, counted for its host cost)
 
 
 # storage address -> (a weak reference to the storage, its number): a freed storage's address is
@@ -61,14 +62,18 @@ def traffic(args, out, fusable: bool, tensors) -> Traffic:
 
 def fused_bytes(records: list[Traffic]) -> list[int]:
     """Per op, the bytes it moves once fused into its group (an unfusable op keeps all of its own)."""
-    group, g = [], -1
+    group, g, prev = [], -1, None  # prev: the last record that is a kernel
     for i, r in enumerate(records):
+        if r.ghost:
+            group.append(None)
+            continue
         if r.fusable:
-            if i == 0 or not records[i - 1].fusable or r.starts_group:
+            if prev is None or not prev.fusable or r.starts_group:
                 g += 1
             group.append(g)
         else:
             group.append(None)
+        prev = r
     # Who produced each read, and who reads each write (storages are reused once freed: the
     # last writer before a read is its producer).
     writer: dict = {}
@@ -86,7 +91,7 @@ def fused_bytes(records: list[Traffic]) -> list[int]:
             writer[key] = i
     out, seen = [], set()
     for i, r in enumerate(records):
-        if group[i] is None:
+        if group[i] is None:  # (a ghost has no reads or writes: 0)
             out.append(sum(n for _, _, n in r.reads) + sum(n for _, n in r.writes))
             continue
         g, total = group[i], 0

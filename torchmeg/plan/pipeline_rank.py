@@ -140,7 +140,8 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
         for key, c in measured["reduce"].items():
             add_comm(stage_comm[s], key, c, 1)
         flops += measured["flops"] * n_micro
-        ops += [(f * n_micro, b * n_micro, dt, k, fb * n_micro) for f, b, dt, k, fb in measured["ops"]]
+        ops += measured["ops"] * n_micro  # (each microbatch's ops, not one op n_micro times larger: a calibrated
+        # device prices an op by its size, and each op is dispatched once per microbatch)
         ops += measured["reduce_ops"]
     # Activations go forward to the next stage, their gradients come back (same size).
     p2p = []

@@ -17,7 +17,7 @@ from torchmeg.models.count import active_params, count_params, flops_per_token
 from torchmeg.plan.dry_run import forget, prepare, run_jobs
 from torchmeg.plan.memory import activation_bytes
 from torchmeg.plan.post_training import rollout_peak_bytes
-from torchmeg.plan.gpus import GPUS
+from torchmeg.plan.gpus import target
 from torchmeg.plan.predict import predict
 from torchmeg.train.validate import validate
 
@@ -69,7 +69,7 @@ def prepare_plan(cfg, world: int, gpu_name: str, gpus_per_node: int | None = Non
     args = layout.args
     whole = meta_model(layout.spec, args)
     model_flops = flops_per_token(whole, args, cfg.data.seq_len) * layout.tokens_per_step / world
-    gpu = GPUS[gpu_name]
+    gpu = target(gpu_name, cfg.plan.calibration, world)
     if gpus_per_node:  # ranks per node: what decides which groups use the fast links
         gpu = dataclasses.replace(gpu, gpus_per_node=gpus_per_node)
     return Prepared(cfg, world, layout, gpu, whole, model_flops, prepare(copy.deepcopy(cfg), layout, whole))
@@ -131,5 +131,5 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "mfu": min(x["mfu"] for x in rows), "fits": all(x["fits"] for x in rows),
             "predicted_step_s": pred, "predicted_tokens_per_s_per_gpu": global_tokens / world / pred,
             "predicted_mfu": min(x["predicted_mfu"] for x in rows), "compiled": rows[0]["compiled"],
-            "float8": cfg.float8.enable,
+            "float8": cfg.float8.enable, "calibration": gpu.calibration.path if gpu.calibration is not None else None,
             "dry_run_s": wall, "traces": len(p.run.jobs), "traces_cached": p.run.cached, "ranks": rows}

@@ -9,6 +9,9 @@ predicted    the same sum with each op class at the fraction of peak it is measu
              and under torch.compile the memory-bound ops fused (torchmeg.plan.op_fusion): each
              moves only what crosses its fused group's boundary; then the compute time over one end-to-end factor
              for what kernel benchmarks do not show, measured on a published run (END_TO_END).
+             With a calibration (torchmeg.plan.calibrated: the device measured by --calibrate; --device cpu
+             is this machine) each op is priced from what that device measured instead, plus its host cost,
+             collectives from the measured tables and FSDP's overlap as measured: no efficiency, no factor.
 Communication: each collective's bytes on the wire per rank (ring algorithms) over the link its
 group spans: NVLink when all its ranks sit in one node (ranks are numbered node by node, tp
 innermost), the network otherwise. FSDP's all-gathers / reduce-scatters and the context-parallel
@@ -63,7 +66,7 @@ def predicted_compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool) -> di
         if kind == "memory":
             out["memory"] += (fused if compiled else nbytes) / bw
         elif kind.startswith("attention"):
-            work = flops / 2 if kind == "attention_causal" else flops
+            work = flops / 2 if kind.startswith("attention_causal") else flops
             out["attention"] += max(work / (gpu.peak("bf16") * eff.attention), nbytes / bw)
         else:
             k = _kind(dtype, float8)
@@ -88,13 +91,14 @@ def async_tp_exposed(t_comm: float, t_matmul: float, tp: int) -> float:
     return max(t_comm - t_matmul, t_comm / tp) if t_comm else 0.0
 
 
-def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple | None = None
+def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple | None = None, overlap: float = 1.0
           ) -> tuple[float, float, float, dict]:
     """(step, exposed, overlapped, exposed seconds per collective): TP / EP / PP traffic on the
     critical path (under async TP, `async_tp` = (matmul seconds, tp[, {key: fraction of its traffic
     the pass fuses}], all of it where not given), the fused part of the TP gathers and reduce-scatters
     as async_tp_exposed says, the rest as without it), FSDP's and the CP ring's hidden under compute
-    up to its length (the excess shows); the pipeline bubble stretches the busy time."""
+    up to its length, times `overlap` (the fraction a calibrated device was measured to hide: the rest
+    and the excess show); the pipeline bubble stretches the busy time."""
     shown = {k: t for k, t in comm.items() if k.split("/")[0] not in OVERLAPPED}
     if async_tp is not None:
         t_matmul, tp, fused = (*async_tp, {})[:3]
@@ -105,7 +109,7 @@ def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple | None = 
             for k, t in part.items():
                 shown[k] -= t * (1 - scale)
     overlapped = sum(t for k, t in comm.items() if k.split("/")[0] in OVERLAPPED)
-    excess = max(0.0, overlapped - t_compute)
+    excess = overlapped - overlap * min(overlapped, t_compute)
     for k, t in comm.items():
         if k.split("/")[0] in OVERLAPPED:
             shown[k] = excess * t / overlapped
@@ -145,11 +149,19 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     async_tp = cfg.parallelism.enable_async_tensor_parallel and dims.tp > 1
     fused = fused_fractions(rank["comm"])
     step, exposed, overlapped, _ = _step(t_compute, comm, bubble, (t_flop, dims.tp, fused) if async_tp else None)
-    by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
-    pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
-    by_class = {k: t / END_TO_END for k, t in by_class.items()}
-    pred_step, pred_exposed, _, shown = _step(sum(by_class.values()), pred_comm, bubble,
-                                              (by_class["matmul"], dims.tp, fused) if async_tp else None)
+    cal = gpu.calibration
+    if cal is not None:  # what the device measured, op by op (torchmeg.plan.calibrated): no fitted factor
+        by_class = cal.compute_seconds(rank["ops"], compiled)
+        pred_compute = cal.step_compute(by_class)
+        pred_comm = cal.comm_seconds(rank["comm"])
+    else:
+        by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
+        pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
+        by_class = {k: t / END_TO_END for k, t in by_class.items()}
+        pred_compute = sum(by_class.values())
+    pred_step, pred_exposed, _, shown = _step(pred_compute, pred_comm, bubble,
+                                              (by_class["matmul"], dims.tp, fused) if async_tp else None,
+                                              cal.overlap if cal is not None else 1.0)
     dtype = "bf16" if cfg.training.mixed_precision == "bf16" else "fp32"
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils.flop_counter import flop_registry
 
 from torchmeg.plan.memory import tensors as _tensors
+from torchmeg.plan.op_kinds import ALIASES, FORMULAS, SHAPED, argument, mnk, moves_data
 from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
 
 aten = torch.ops.aten
@@ -41,24 +42,6 @@ def device_of(func, types, args):
     return func(*args)
 
 
-# CPU flash attention takes the CUDA flash kernel's leading arguments (q, k, v / grad_out, q, k, v,
-# out, lse) and does the same FLOPs; flop_counter has formulas for the CUDA kernels only.
-_ALIASES = {
-    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
-}
-
-
-def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
-    """torch._grouped_mm (MoE experts; flop_counter has no formula, torch 2.13): each group a matmul.
-    2-D x 2-D with offsets (the weight gradient, [k, T] x [T, n] -> [E, k, n]) contracts over all T
-    rows once; every other form contracts `a`'s last dim once per output element."""
-    if a.dim() == 2 and b.dim() == 2:
-        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-    return 2 * out_val.numel() * a.shape[-1]
-
-
-_FORMULAS = {aten._grouped_mm: _grouped_mm_flops}
 # Bytes each rank sends per byte of the collective's buffer, ring algorithms over n ranks
 # (NCCL's "bus bandwidth" factors; Thakur et al. 2005).
 _WIRE = {"all_gather": lambda n: (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -129,8 +112,11 @@ _UNFUSABLE = {"_chunk_cat", "split_with_sizes_copy", "_foreach_copy_"}
 
 class StepCost(CommDebugMode):
     """ops: one (flops, bytes, dtype, kind, fused bytes) per data-moving op: `dtype` the first input's
-    for ops with FLOPs, `kind` one of matmul / attention / attention_causal / memory, `fused bytes`
-    what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion)."""
+    for ops with FLOPs, the op's name for the others (aten's: "silu_backward"); `kind` one of matmul,
+    matmul/G (a grouped matmul of G groups: MoE's experts), attention, attention_causal (each + "_backward"
+    for the gradient's kernel), memory, subclass (a tensor subclass's op: no work, its host cost only);
+    a plain matmul's kind carries its shape, "matmul@MxNxK";
+    `fused bytes` what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion)."""
 
     def __init__(self, group_labels: dict[str, str] | None = None, memory=None):
         super().__init__()
@@ -210,6 +196,8 @@ class StepCost(CommDebugMode):
         # and collectives, which come back through here; those are what a rank really runs.
         # (and so do other wrapper subclasses: torchao's float8 tensors run their _scaled_mm here)
         if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            if not isinstance(func, torch._ops.HigherOrderOperator) and active_fake_mode() is self._fake_on_entry:
+                self._subclass_op(func)
             return NotImplemented
         kwargs = kwargs or {}
         # (an op the memory tracker below would count nothing of runs past it: memory.step_memory's past)
@@ -223,7 +211,7 @@ class StepCost(CommDebugMode):
             self._collective(func, args, out)
         else:
             self._trace_origin(packet.__name__, args, out)
-            if _moves_data(func, out):
+            if moves_data(func, out):
                 self._compute(func, args, kwargs, out)
         return out
 
@@ -277,21 +265,29 @@ class StepCost(CommDebugMode):
             self._origin[storage_key(t)] = [(label, kind), wire, False] if kind == "all_gather" else None
 
     def _compute(self, func, args, kwargs, out) -> None:
-        packet = _ALIASES.get(func._overloadpacket, func._overloadpacket)
+        packet = ALIASES.get(func._overloadpacket, func._overloadpacket)
         flops = 0
-        formula = flop_registry.get(packet) or _FORMULAS.get(packet)
+        formula = flop_registry.get(packet) or FORMULAS.get(packet)
         if formula is not None:
             flops = formula(*args, **kwargs, out_val=out)
         nbytes = sum(t.numel() * t.element_size() for t in _tensors([list(args), out]))
         dtype = None
+        name = packet.__name__
         if flops:
             first = next(_tensors(list(args)), None)
             dtype = str(first.dtype).replace("torch.", "") if first is not None else None
-        name = packet.__name__
+        elif _ATTENTION not in name:
+            dtype = name  # (a memory-bound op: its name, which a calibrated CPU prices: exp is not a copy)
         if _ATTENTION in name:
-            kind = "attention_causal" if _argument(func, args, kwargs, "is_causal") else "attention"
+            kind = "attention_causal" if argument(func, args, kwargs, "is_causal") else "attention"
+            kind += "_backward" if name.endswith("_backward") else ""
         else:
             kind = "matmul" if flops else "memory"
+            if name == "_grouped_mm" and flops:  # one matmul per group: a calibrated device prices each
+                offs = argument(func, args, kwargs, "offs")
+                kind = f"matmul/{offs.numel() if offs is not None else args[0].shape[0]}"
+            elif flops and name in SHAPED:
+                kind = f"matmul@{mnk(name, args)}"  # (a calibrated device prices it by its shape)
         fusable = kind == "memory" and not self._eager and func.namespace == "aten" and name not in _UNFUSABLE
         tr = traffic(args, out, fusable, _tensors)
         tr.starts_group, self._boundary = self._boundary, False
@@ -299,6 +295,15 @@ class StepCost(CommDebugMode):
         self.ops.append((flops, nbytes, dtype, kind, nbytes))
         self.op_names.append(str(packet))
         self.op_accumulates.append(self.accumulating or isinstance(torch._C._current_autograd_node(), _ACCUMULATE_GRAD))
+
+    def _subclass_op(self, func) -> None:
+        """A tensor subclass's op (DTensor's, torchao's float8): no kernel of its own (its local ops come
+        back through here), but its host work (DTensor's sharding propagation, in Python) is a cost a
+        calibrated device prices per op (torchmeg.plan.calibrated): one (0, 0, None, "subclass", 0)."""
+        self._traffic.append(Traffic(ghost=True))
+        self.ops.append((0, 0, None, "subclass", 0))
+        self.op_names.append(str(func._overloadpacket))
+        self.op_accumulates.append(False)
 
     def mark(self) -> tuple:
         """Where the tables stand now, for repeat()."""
@@ -342,32 +347,8 @@ class StepCost(CommDebugMode):
         return {f"{label}/{kind}": dict(v) for (label, kind), v in sorted(self.collectives.items())}
 
 
-# Ops that allocate or re-describe storage without reading or writing it; and a functional
-# collective's wait (it returns its buffer once the collective is done: a synchronisation, no kernel
-# that reads or writes; counted as traffic it added 66.6 GB to a 2-layer 70B plan).
-_NO_TRAFFIC = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
-               "set_", "resize_", "resize_storage_bytes_", "detach", "alias", "wait_tensor"}
-
-
 # What torch's async-TP pass fuses with a collective (aten.mm, and _scaled_mm for float8), and the
 # copies it looks through between them (the reassembly of a gather or scatter along a later dim,
 # reshapes that copy).
 _MATMULS = {"mm", "_scaled_mm"}
 _CARRY = {"cat", "clone", "_reshape_copy", "view_copy", "split_with_sizes_copy"}
-
-
-def _argument(func, args, kwargs, name: str):
-    """An op's argument by its schema name (positional or keyword); None when absent."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == name:
-            return args[i] if i < len(args) else kwargs.get(name, a.default_value)
-    return None
-
-
-def _moves_data(func, out) -> bool:
-    """A kernel that reads or writes memory: not a view, not metadata, not a bare allocation."""
-    if isinstance(func, torch._ops.HigherOrderOperator) or func.namespace == "prim":
-        return False
-    if func._overloadpacket.__name__ in _NO_TRAFFIC or next(_tensors(out), None) is None:
-        return False
-    return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)

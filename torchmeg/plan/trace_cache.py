@@ -71,7 +71,7 @@ def traced_program(run) -> str:
 def job_key(run, job: tuple[int, int, int]) -> str:
     """The key of one job (plan key, pipeline rank, trace) of a prepared dry run."""
     cfg = copy.deepcopy(run.cfg)
-    cfg.plan = type(cfg.plan)()
+    cfg.plan = type(cfg.plan)(gpu="cpu" if run.cfg.plan.gpu == "cpu" else "h100")  # (the program: a CPU's or a GPU's)
     cfg.parallelism.enable_async_tensor_parallel = False
     try:
         model_file = inspect.getsourcefile(run.layout.spec.cls)

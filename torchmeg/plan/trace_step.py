@@ -232,10 +232,15 @@ def peak_phase(phases: dict) -> dict:
 
 def build(cfg, layout: Layout, mesh, ep_mesh, keep):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with program_for("cuda"):  # the GPU's program (float8 TP styles), built on CPU
+    with program_for(target_device(cfg)):  # the planned device's program (a GPU's: float8 TP styles), built on CPU
         built = build_parallel_model(cfg, layout, mesh, ep_mesh, torch.device("cpu"), None, schedule=False,
                                      storage=lambda: fake, keep_layers=keep)
     return built, fake
+
+
+def target_device(cfg) -> str:
+    """The device type the plan is for: "cpu" (plan.gpu = cpu: this machine) or "cuda"."""
+    return "cpu" if cfg.plan.gpu == "cpu" else "cuda"
 
 
 def gpu_optimizer(model, cfg):
@@ -248,9 +253,9 @@ def gpu_optimizer(model, cfg):
     loop a GPU never runs (3-4% of the 8B's and gpt-oss-20b's predicted step). torch's rule as its
     adam() applies it: only when neither foreach nor fused was set, never differentiable, and not for a
     tensor learning rate without capturable. A parameter outside a DTensor is a FakeTensor here: the
-    plain tensor it stands for."""
+    plain tensor it stands for. A plan for a CPU keeps the CPU's own choice."""
     opt = build_optimizer(model, cfg)
-    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW) and target_device(cfg) == "cuda":
         for g in opt.param_groups:
             if g["foreach"] is None and g["fused"] is None:
                 tensor_lr = isinstance(g["lr"], torch.Tensor) and not g["capturable"]

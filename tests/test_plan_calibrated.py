@@ -1,0 +1,151 @@
+"""The planner on a measured device (torchmeg.plan.calibrate / calibrated): `--calibrate` writes what it
+measured under the planner's own op counter, a plan prices each op from it (and fails without it, in one
+line), a plan for this CPU traces the CPU's program, and tools/plan_vs_run.py holds one layout's plan to
+the run (memory within 10%; its times are reported, never asserted: docs/planning.md has the table).
+"""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from launch import ROOT, run_one
+
+sys.path.insert(0, ROOT)
+from torchmeg.plan.calibrate import ROWS, WEIGHTS  # noqa: E402
+from torchmeg.plan.calibrated import Calibration  # noqa: E402
+
+RECIPE = os.path.join(ROOT, "recipes", "debug_llama.toml")
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _table(rate: float, bandwidth: float) -> dict:
+    """A calibration of a made-up device: matmuls at `rate` FLOP/s from 1 GFLOP up (a tenth of it at 1
+    MFLOP), memory-bound ops at `bandwidth` (silu at a quarter of it)."""
+    mm = [[2 * n ** 3, 3 * 4 * n * n, 2 * n ** 3 / (rate * (0.1 if n < 200 else 1.0))] for n in (100, 800, 1600)]
+    mem = [[b, b / bandwidth] for b in (1e4, 1e6, 1e8)]
+    return {"device": "cpu", "name": "test", "threads": 1, "ranks": 1, "dispatch_s": 1e-5, "host_serial": True,
+            "matmul": {"float32": mm}, "attention": {"float32": {"attention_causal": mm}},
+            "memory": {"add": mem, "silu": [[b, 4 * t] for b, t in mem]}}
+
+
+def test_an_op_is_priced_from_the_measured_points_nearest_it():
+    cal = Calibration(_table(1e11, 1e10))
+    n = 800
+    at_point = cal.op_seconds(2 * n ** 3, 12 * n * n, "float32", "matmul")
+    assert at_point == pytest.approx(2 * n ** 3 / 1e11, rel=1e-9)  # a measured shape: its own time
+    big = cal.op_seconds(2 * 4096 ** 3, 12 * 4096 ** 2, "float32", "matmul")  # beyond the grid: the settled rate
+    assert big == pytest.approx(2 * 4096 ** 3 / 1e11, rel=0.05)
+    small = cal.op_seconds(2 * 100 ** 3, 12 * 100 ** 2, "float32", "matmul")
+    assert small == pytest.approx(2 * 100 ** 3 / 1e10, rel=1e-9)  # a tiny matmul at a tenth of the rate
+    assert cal.op_seconds(0, 1e6, "add", "memory") == pytest.approx(1e-4, rel=1e-9)
+    assert cal.op_seconds(0, 1e6, "gelu", "memory") == pytest.approx(4e-4, rel=1e-9)  # its family's table (silu)
+    assert cal.op_seconds(0, 1e6, "slice_backward", "memory") == pytest.approx(1e-4, rel=1e-9)  # unknown: a copy's
+    assert cal.op_seconds(0, 1e6, "mul_", "memory") == pytest.approx(1e-4, rel=1e-9)  # (no mul table: add's)
+    shaped = _table(1e11, 1e10)  # the same points with their shapes: a shaped matmul is priced by them
+    shaped["matmul"]["float32"] = [[f, b, t, n, n, n] for (f, b, t), n in zip(shaped["matmul"]["float32"], (100, 800, 1600))]
+    by_shape = Calibration(shaped)
+    assert by_shape.op_seconds(2 * 100 ** 3, 0, "float32", "matmul@100x100x100") == pytest.approx(2e6 / 1e10, rel=1e-9)
+    # 400^3 between the 100^3 point (a tenth of the rate) and 800^3's: slower than 800's rate, faster than 100's
+    mid = by_shape.op_seconds(2 * 400 ** 3, 0, "float32", "matmul@400x400x400")
+    assert 2 * 400 ** 3 / 1e11 < mid < 2 * 400 ** 3 / 1e10
+    comm = Calibration({**_table(1e11, 1e10), "collectives": {"all_gather": [[2 ** 20, 2e-3], [65536, 1e-3]],
+                                                               "overlap": 0.5}})
+    got = comm.comm_seconds({"dp_shard/all_gather": {"count": 2, "bytes": 2 * 2 ** 21},
+                             "pp/all_to_all": {"count": 1, "bytes": 65536}})
+    assert got["dp_shard/all_gather"] == pytest.approx(2 * 4e-3) and got["pp/all_to_all"] == pytest.approx(1e-3)
+    by = cal.compute_seconds([(0, 1e6, "add", "memory", 0)] * 3 + [(0, 0, None, "subclass", 0)], compiled=True)
+    assert by["memory"] == 0.0 and by["dispatch"] == 0.0  # fused away: no traffic, no kernel to dispatch
+    # a fused silu keeps its arithmetic (4x a copy's time at its bytes: 3e-4 beyond the copy) and moves its
+    # fused bytes at a copy's rate
+    by = cal.compute_seconds([(0, 1e6, "silu", "memory", 5e5)], compiled=True)
+    assert by["memory"] == pytest.approx(3e-4 + 5e-5) and by["dispatch"] == pytest.approx(1e-5)
+    by = cal.compute_seconds([(0, 1e6, "add", "memory", 1e6)] * 3, compiled=False)
+    assert by["dispatch"] == pytest.approx(3e-5) and cal.step_compute(by) == pytest.approx(3e-4 + 3e-5)
+
+
+@pytest.mark.slow
+def test_a_plan_for_a_calibrated_cpu_prices_every_op_from_the_file(tmp_path):
+    """The same recipe on two made-up CPUs, one twice as fast at everything: the predicted step halves
+    (no datasheet, no fitted factor in it); without a calibration, one line naming the fix."""
+    steps = []
+    for rate, bw in ((1e11, 1e10), (2e11, 2e10)):
+        path = tmp_path / f"cal{rate:.0e}.json"
+        cal = _table(rate, bw)
+        cal["dispatch_s"] = 0.0
+        path.write_text(json.dumps(cal))
+        out = tmp_path / f"plan{rate:.0e}.json"
+        p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", RECIPE, "--device", "cpu", "--calibration",
+                     str(path), "--json", str(out)], ENV, 300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        plan = json.load(open(out))
+        assert plan["gpu"].startswith("CPU test") and plan["calibration"] == str(path)
+        steps.append(plan["predicted_step_s"])
+        assert "this device as measured" in p.stdout
+    assert steps[1] == pytest.approx(steps[0] / 2, rel=1e-6)
+    p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", RECIPE, "--device", "cpu", "--calibration",
+                 str(tmp_path / "none.json")], ENV, 120)
+    assert p.returncode == 2
+    err = [line for line in p.stderr.splitlines() if "error" in line]
+    assert len(err) == 1 and "--calibrate --out" in err[0] and "none.json" in err[0], p.stderr
+
+
+@pytest.mark.slow
+def test_a_cpu_plan_traces_the_cpus_program():
+    """torch's Adam runs a loop over the parameters on a CPU and one foreach kernel per formula step on a
+    GPU: a plan for a CPU counts the loop's ops, a plan for a GPU the foreach ones (trace_step.gpu_optimizer)."""
+    from torchmeg.config.schema import load_config
+    from torchmeg.plan.dry_run import forget, run_jobs
+    from torchmeg.plan.planner import prepare_plan
+    names = {}
+    for gpu in ("cpu", "h100"):
+        cfg = load_config(RECIPE, ["--model.n_layers=2"])
+        cfg.plan.gpu = gpu
+        cfg.plan.calibration = ""
+        p = prepare_plan(cfg, 1, "h100")  # (the program follows cfg.plan.gpu; the device record is not read here)
+        try:
+            ranks = p.run.finish(dict(zip(p.run.jobs, run_jobs(p.run.jobs, True))), True)
+        finally:
+            forget(p.run)
+        names[gpu] = {op[2] for op in ranks[0]["ops"] if op[3] == "memory"}
+    assert not any(n and n.startswith("_foreach") for n in names["cpu"]), names["cpu"]
+    assert any(n and n.startswith("_foreach") for n in names["h100"]), names["h100"]
+
+
+@pytest.mark.slow
+def test_calibrate_then_plan_vs_run_on_one_layout(tmp_path):
+    """`--calibrate` records each point with the planner's own counter's FLOPs, bytes and shape; then
+    tools/plan_vs_run.py on one layout (one process, eager) with that calibration: a run, its measured step,
+    and the plan's peak within 10% of the real step's (memory does not depend on the machine's load; time
+    does, so it is reported, not asserted)."""
+    out = cal = tmp_path / "calibration-cpu-1rank.json"  # (the tool reuses its --out folder's calibration)
+    p = run_one([sys.executable, "-m", "torchmeg.plan", "--calibrate", "--budget", "0.4", "--out", str(out)],
+                dict(os.environ, OMP_NUM_THREADS="2"), 300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"-> {out}" in p.stdout
+    data = json.load(open(out))
+    assert data["device"] == "cpu" and data["threads"] == 2 and data["ranks"] == 1 and data["dispatch_s"] > 0
+    # each matmul point is (FLOPs, bytes, seconds) as StepCost counts an mm: 2mnk, and the three operands'
+    # bytes, mk + nk + mn in each of the forward / input-gradient / weight-gradient layouts
+    grid = {(2 * m * n * k, 4 * (m * k + n * k + m * n)) for m in ROWS for n, k in WEIGHTS}
+    sizes = set()
+    for flops, nbytes, t, m, n, k in data["matmul"]["float32"]:
+        assert t > 0 and (flops, nbytes) in grid and flops == 2 * m * n * k, (flops, nbytes, m, n, k)
+        sizes.add(flops)
+    assert len(sizes) >= 3
+    assert {"add", "silu", "exp", "_softmax"} <= set(data["memory"]) and all(data["memory"].values())
+    assert {"attention_causal", "attention_causal_backward"} <= set(data["attention"]["float32"])
+    c = Calibration.load(str(out))
+    assert c.best_rate() > 0 and math.isfinite(c.op_seconds(2 * 512 ** 3, 12 * 512 ** 2, "float32", "matmul"))
+    rows = tmp_path / "rows.json"
+    p = run_one([sys.executable, os.path.join(ROOT, "tools", "plan_vs_run.py"), "--recipes", "debug_llama",
+                 "--layouts", "eager", "--steps", "4", "--out", str(tmp_path), "--json", str(rows)],
+                dict(os.environ, OMP_NUM_THREADS="2"), 600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    (r,) = json.load(open(rows))
+    assert r["recipe"] == "debug_llama" and r["layout"] == "eager" and r["calibration"] == str(cal)
+    assert r["planned_step_s"] > 0 and r["measured_step_s"] > 0 and r["machine_speed"] > 0
+    assert r["step_ratio"] == pytest.approx(r["planned_step_s"] / r["measured_step_s"])
+    assert 0.9 <= r["memory_ratio"] <= 1.1, r
+    assert "| debug_llama | eager | 1 |" in p.stdout
