@@ -92,6 +92,26 @@ def test_a_plan_for_a_calibrated_cpu_prices_every_op_from_the_file(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_calibration_without_collectives_keeps_the_links_rates(tmp_path):
+    """A GPU calibrated on one rank measured no collectives: its TP traffic is priced at the links' data-sheet
+    rate as without a calibration (not free), while its compute comes from the file."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({**_table(1e14, 1e12), "device": "cuda", "host_serial": False}))
+    plans = {}
+    for name, extra in (("datasheet", []), ("calibrated", ["--calibration", str(path)])):
+        out = tmp_path / f"{name}.json"
+        p = run_one([sys.executable, "-m", "torchmeg.plan", "--config", RECIPE, "--world", "2", "--gpu", "h100",
+                     "--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                     "--json", str(out), *extra], ENV, 300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        plans[name] = json.load(open(out))["ranks"][0]
+    tp = {k: t for k, t in plans["datasheet"]["predicted_comm_exposed_by"].items() if k.startswith("tp/")}
+    assert tp and all(t > 0 for t in tp.values())
+    assert {k: plans["calibrated"]["predicted_comm_exposed_by"][k] for k in tp} == pytest.approx(tp, rel=1e-12)
+    assert plans["calibrated"]["predicted_compute_s"] != plans["datasheet"]["predicted_compute_s"]
+
+
+@pytest.mark.slow
 def test_a_cpu_plan_traces_the_cpus_program():
     """torch's Adam runs a loop over the parameters on a CPU and one foreach kernel per formula step on a
     GPU: a plan for a CPU counts the loop's ops, a plan for a GPU the foreach ones (trace_step.gpu_optimizer)."""

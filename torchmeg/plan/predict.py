@@ -126,17 +126,18 @@ def fused_fractions(comm: dict) -> dict[str, float]:
             if k in ASYNC_TP and c["wire_bytes"]}
 
 
+def _intra(key: str, c: dict, dims, gpu: GPU) -> bool:
+    """Whether a collective's group sits inside one node (a pipeline's p2p: a pair of neighbouring stages)."""
+    dim = key.split("/")[0]
+    return dims.group_within_node(2 if dim == "pp" else c["ranks"], dims.strides().get(dim, 1), gpu.gpus_per_node)
+
+
 def comm_seconds(comm: dict, dims, gpu: GPU, efficiency: float = 1.0) -> dict[str, float]:
     """'mesh dim/collective' -> seconds on the wire (fast links inside a node, the network across:
     ParallelDims.group_within_node, the rule a run's header uses too)."""
-    strides = dims.strides()
-    out = {}
-    for key, c in comm.items():
-        dim = key.split("/")[0]
-        # (pipeline p2p: a pair of neighbouring stages, world / pp ranks apart)
-        intra = dims.group_within_node(2 if dim == "pp" else c["ranks"], strides.get(dim, 1), gpu.gpus_per_node)
-        out[key] = c["wire_bytes"] / ((gpu.nvlink_bw if intra else gpu.network_bw) * efficiency)
-    return out
+    # (pipeline p2p: a pair of neighbouring stages, world / pp ranks apart)
+    return {key: c["wire_bytes"] / ((gpu.nvlink_bw if _intra(key, c, dims, gpu) else gpu.network_bw) * efficiency)
+            for key, c in comm.items()}
 
 
 def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dict:
@@ -153,7 +154,11 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     if cal is not None:  # what the device measured, op by op (torchmeg.plan.calibrated): no fitted factor
         by_class = cal.compute_seconds(rank["ops"], compiled)
         pred_compute = cal.step_compute(by_class)
-        pred_comm = cal.comm_seconds(rank["comm"])
+        # collectives inside a node from the calibration's tables where it measured them (under torchrun), the
+        # others (across nodes, or a one-rank calibration) at the links' data-sheet rate as without one
+        pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
+        measured = cal.comm_seconds({k: c for k, c in rank["comm"].items() if _intra(k, c, dims, gpu)})
+        pred_comm.update({k: t for k, t in measured.items() if cal.collectives})
     else:
         by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
         pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
