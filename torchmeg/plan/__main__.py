@@ -25,7 +25,7 @@ import sys
 
 from torchmeg.config.schema import load_config
 from torchmeg.config.errors import ConfigError
-from torchmeg.plan.calibrate import calibrate_main
+from torchmeg.plan.calibrate import BUDGET, calibrate_main
 from torchmeg.plan.gpus import GPUS
 from torchmeg.plan.measure import measure_main
 from torchmeg.plan.planner import plan, recipe_world
@@ -41,8 +41,8 @@ def parse(argv):
     ap.add_argument("--calibrate", action="store_true",
                     help="measure this device (matmuls, attention, memory-bound ops, an eager op's cost; under torchrun "
                          "the collectives too) and write a calibration file for --calibration (torchmeg.plan.calibrate)")
-    ap.add_argument("--budget", type=float, default=None,
-                    help="--calibrate: seconds each table may take at most (default 10; less measures fewer sizes)")
+    ap.add_argument("--budget", type=float, default=BUDGET,
+                    help=f"--calibrate: seconds each table may take at most (default {BUDGET:g}; less measures fewer sizes)")
     ap.add_argument("--out", default=None, help="--calibrate: the file written (default: ~/.cache/torchmeg/"
                                                 "calibration-<device>-<ranks>rank.json)")
     ap.add_argument("--world", type=int, default=None, help="world size (default: what the recipe's layout implies)")
@@ -123,7 +123,7 @@ def _traced(p: dict) -> str:
 def main(argv=None) -> int:
     a, rest = parse(sys.argv[1:] if argv is None else argv)
     if a.calibrate:
-        return calibrate_main(a.out, a.budget) if a.budget else calibrate_main(a.out)
+        return calibrate_main(a.out, a.budget)
     if a.config is None:
         print("torchmeg.plan: error: --config RECIPE is required (or --calibrate)", file=sys.stderr, flush=True)
         return 2

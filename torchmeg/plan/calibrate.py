@@ -11,9 +11,9 @@ What a datasheet cannot say and the planner needs (torchmeg.plan.calibrated read
   dispatch    the host's cost of one eager op of a training step (forward and backward of one-element
               ops: dispatch, autograd's record and visit, a launch; no work); with
               ranks, what a DTensor op adds to it (its sharding propagation, in Python)
-  collectives with more than one rank (under torchrun): all-reduce, all-gather, reduce-scatter and a
-              all-to-all and a pipeline's send / recv by size over the default process group; and how much of a
-              collective hides under a matmul run beside it (FSDP's prefetch, measured, not assumed)
+  collectives with more than one rank (under torchrun): all-reduce, all-gather, reduce-scatter,
+              all-to-all and a pipeline's send / recv by size over the default process group; and how much
+              of a collective hides under a matmul run beside it (FSDP's prefetch, measured, not assumed)
 Each point is recorded with the FLOPs and bytes the planner's own op counter (step_cost.StepCost)
 gives the op, so a plan's op is looked up by the same numbers it was measured by. Every rank measures
 at once (barriers between points), as the ranks of a run share the machine; rank 0 writes the file.
@@ -49,6 +49,7 @@ HEADS = ((8, 32), (8, 64), (16, 128))  # (heads, head dim)
 SEQS = (128, 256, 512, 1024, 2048, 4096, 8192)
 SIZES = tuple(4 ** i for i in range(5, 14))  # elements: 1 Ki .. 64 Mi
 COMM_BYTES = tuple(4 ** i for i in range(6, 14))  # 4 KiB .. 64 MiB
+GRID = sorted(((m, n, k) for m in ROWS for n, k in WEIGHTS), key=lambda s: s[0] * s[1] * s[2])  # (m, n, k), cheapest first
 
 
 class Table:
@@ -134,7 +135,7 @@ def matmuls(device, dtype, longest: float, budget: float = BUDGET) -> list[list]
     """[flops, bytes, seconds, M, N, K] per shape and layout (forward, input gradient, weight gradient: each its
     own M x N x K, K contracted), smallest first."""
     table = Table(longest, budget)
-    for m, n, k in sorted(((m, n, k) for m in ROWS for n, k in WEIGHTS), key=lambda s: s[0] * s[1] * s[2]):
+    for m, n, k in GRID:
         if table.full():
             break
         x = torch.randn(m, k, device=device).to(dtype)
@@ -152,7 +153,7 @@ def scaled_matmuls(device, longest: float, budget: float = BUDGET) -> list[list]
     """float8 (e4m3) matmuls as torchao's training runs them (torch._scaled_mm, row-major x col-major)."""
     table = Table(longest, budget)
     one = torch.ones((), device=device)
-    for m, n, k in sorted(((m, n, k) for m in ROWS for n, k in WEIGHTS), key=lambda s: s[0] * s[1] * s[2]):
+    for m, n, k in GRID:
         if table.full():
             break
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)

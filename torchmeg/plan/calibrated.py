@@ -1,10 +1,11 @@
 """A step's time from what the device was measured to do (a calibration file: torchmeg.plan.calibrate).
 
-Per op, the rate of the measured points nearest to it: matmuls and attention by (FLOPs, bytes) in log
-space, the two nearest weighted by inverse squared distance (Calculon's size-dependent efficiency,
-measured instead of tabulated: a 64 x 64 x 64 matmul runs at a few percent of the best rate, a 4096-
-square one near it); beyond the largest shape measured, the largest's rate (they have settled).
-Memory-bound ops by their bytes (cache-resident sizes run faster than DRAM / HBM). Every op the step
+Per op, the rate of the measured points nearest to it, weighted by inverse squared distance (Calculon's
+size-dependent efficiency, measured instead of tabulated: a 64 x 64 x 64 matmul runs at a few percent
+of the best rate, a 4096-square one near it): a matmul by its shape, the three nearest in log (M, N, K);
+attention (and a matmul of unknown shape) by (FLOPs, bytes) in log space, the two nearest; beyond the
+largest shape measured, the nearest's rate (they have settled). A memory-bound op by its bytes, from
+its own op's table (cache-resident sizes run faster than DRAM / HBM; an exp slower than a copy). Every op the step
 dispatches adds the host's measured cost of one eager op: on a CPU the host does the op's work itself
 (host_serial: the two add), on a GPU the host runs ahead and the step takes the longer of the two
 sums. Under torch.compile a memory-bound op moves its fused bytes (torchmeg.plan.op_fusion) at a copy's
@@ -16,13 +17,13 @@ is this device's, and tools/plan_vs_run.py holds the result to the runs it plans
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import os
 from collections import Counter
 
 from torchmeg.config.errors import ConfigError
-from torchmeg.plan.calibrate import default_path
 
 SHAPE_NEIGHBOURS = 3  # a shaped matmul's rate from this many measured shapes nearest in log (M, N, K)
 
@@ -60,7 +61,7 @@ class Calibration:
     """One device's measured tables, read from `path` (what `python -m torchmeg.plan --calibrate` wrote)."""
 
     def __init__(self, data: dict, path: str = ""):
-        self.data, self.path = data, path
+        self.path = path
         self.device, self.name = data["device"], data["name"]
         self.ranks, self.threads = data["ranks"], data["threads"]
         self.dispatch_s = data["dispatch_s"]
@@ -81,9 +82,10 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
+        """The file at `path`, read once per version of it (a --search plans every layout from it)."""
         try:
-            with open(path) as fh:
-                return cls(json.load(fh), path)
+            st = os.stat(path)
+            return _read(path, (st.st_mtime_ns, st.st_size))
         except FileNotFoundError:
             raise ConfigError(f"calibration {path!r}: no such file; measure this device with `python -m torchmeg.plan "
                               f"--calibrate --out {path}` (under torchrun with as many ranks as the plan puts on "
@@ -200,6 +202,8 @@ def _interp(table: list, x: float) -> float:
     return t0 + (t1 - t0) * (x - b0) / (b1 - b0)
 
 
-def default_calibration(device: str, ranks: int) -> str:
-    path = default_path(device, ranks)
-    return path if os.path.exists(path) else default_path(device, 1) if ranks > 1 and device == "cpu" else path
+@functools.lru_cache(maxsize=8)
+def _read(path: str, stamp: tuple) -> Calibration:
+    """(`stamp`: the file's mtime and size, so a file written again is read again.)"""
+    with open(path) as fh:
+        return Calibration(json.load(fh), path)

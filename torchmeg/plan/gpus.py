@@ -20,7 +20,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from torchmeg.plan.calibrated import Calibration, default_calibration
+from torchmeg.plan.calibrate import default_path
+from torchmeg.plan.calibrated import Calibration
 from torchmeg.plan.efficiency import EFFICIENCY, Efficiency
 
 
@@ -73,7 +74,7 @@ def target(name: str, calibration: str = "", world: int = 1) -> GPU:
     if name != "cpu":
         gpu = GPUS[name]
         return dataclasses.replace(gpu, calibration=Calibration.load(calibration)) if calibration else gpu
-    cal = Calibration.load(calibration or default_calibration("cpu", world))
+    cal = Calibration.load(calibration or default_path("cpu", world))  # (its ranks' own: one rank's rates are not two's)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     links = cal.collectives.get("all_gather") or [[1.0, 1.0]]
     link_bw = max(b / t for b, t in links)

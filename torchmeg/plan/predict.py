@@ -157,8 +157,8 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
         # collectives inside a node from the calibration's tables where it measured them (under torchrun), the
         # others (across nodes, or a one-rank calibration) at the links' data-sheet rate as without one
         pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)
-        measured = cal.comm_seconds({k: c for k, c in rank["comm"].items() if _intra(k, c, dims, gpu)})
-        pred_comm.update({k: t for k, t in measured.items() if cal.collectives})
+        if cal.collectives:
+            pred_comm.update(cal.comm_seconds({k: c for k, c in rank["comm"].items() if _intra(k, c, dims, gpu)}))
     else:
         by_class = predicted_compute_seconds(rank["ops"], gpu, float8, compiled)
         pred_comm = comm_seconds(rank["comm"], dims, gpu, gpu.efficiency.links)

@@ -190,7 +190,8 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_no
     their traces run as one pool of jobs (torchmeg.plan.dry_run.run_jobs), as many at a time as
     this machine has cores."""
     t_start = time.perf_counter()
-    cands = candidates(cfg, world, gpus_per_node or target(gpu_name, cfg.plan.calibration, world).gpus_per_node)
+    gpu = target(gpu_name, cfg.plan.calibration, world)
+    cands = candidates(cfg, world, gpus_per_node or gpu.gpus_per_node)
     chosen = cands[:limit] if limit else cands
     print(f"search: {len(cands)} layouts of world {world} take this model and batch; planning {len(chosen)} of them "
           f"({usable_cores()} at a time)", flush=True)
@@ -233,7 +234,6 @@ def search(cfg, world: int, gpu_name: str, top: int, limit: int = 0, gpus_per_no
     print(f"  {n_traced} traces for {sum(r['traced'] for r in rows)} layouts traced"
           f"{f' ({cached} of them read from plan.trace_cache)' if cached else ''}; "
           f"{sum(not r['traced'] for r in rows)} others cannot fit where a smaller one of theirs does not", flush=True)
-    gpu = target(gpu_name, cfg.plan.calibration, world)
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: r["predicted_step_s"])
     best = fitting[0] if fitting else None
     for r in rows:

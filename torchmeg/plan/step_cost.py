@@ -26,7 +26,6 @@ from torchmeg.plan.memory import tensors as _tensors
 from torchmeg.plan.op_kinds import ALIASES, FORMULAS, SHAPED, argument, mnk, moves_data
 from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
 
-aten = torch.ops.aten
 _DEVICE = torch.ops.prim.device.default
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
