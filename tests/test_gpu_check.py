@@ -137,9 +137,13 @@ def test_the_gpu_call_runs_dry_on_the_cpu(tmp_path):
     attn = steps["sink_attention"]["rows"]
     assert len(attn) == 3 and all(r["sdpa_kernels"] and r["forward_backward_ms"] > 0 for r in attn)
     serve = steps["serving"]["rows"]
-    # (the last: the same 8 at once sampled, with a presence penalty: it ends with every token)
-    assert [(r["set"], r["concurrency"]) for r in serve] == [("fixed", 1), ("fixed", 8), ("fixed, sampled", 8)]
-    assert all(r["output_tokens_per_sec"] > 0 for r in serve) and serve[2]["output_tokens"] == serve[1]["output_tokens"]
+    # (eager and static decode side by side, then the same 8 at once sampled, with a presence penalty: it
+    # ends with every token; the static rows ran the compiled step: one graph, every decode step through it)
+    assert [(r["set"], r["decode"], r["concurrency"]) for r in serve] == [
+        ("fixed", "eager", 1), ("fixed", "eager", 8), ("fixed", "static", 1), ("fixed", "static", 8),
+        ("fixed, sampled", "eager", 8)]
+    assert all(r["output_tokens_per_sec"] > 0 for r in serve) and serve[4]["output_tokens"] == serve[1]["output_tokens"]
+    assert [r["compiles"] for r in serve[2:4]] == [1, 1] and sum(serve[3]["steps_by_size"].values()) > 0, serve
     prof = steps["serving"]["profile"]  # (the 8-at-once run again under the profiler: where its host time went)
     assert prof["concurrency"] == 8 and prof["steps"] > 0 and prof["forward_ms"] > 0 and prof["top_host_ops"], prof
     assert prof["top_device_ops"] == [] and "most device time: none (no device)" in steps["serving"]["note"]  # (CPU)

@@ -20,7 +20,8 @@ step cut short by its time keeps the settings it measured, status "partial"):
                     128,256: peak memory against the fake-tensor prediction, time, agreement
   sink_attention    gpt-oss-20b's attention shape: sink attention (full and windowed) vs plain
                     causal SDPA, forward and backward
-  serving           the 1B's engine, 32 requests one by one vs 32 at once: tokens/s, TTFT; then the
+  serving           the 1B's engine, 32 requests one by one vs 32 at once, each with the eager decode
+                    step and the static one (CUDA graphs), side by side: tokens/s, TTFT, TPOT; then the
                     32 at once sampled (temperature, top_p, a presence penalty): it must end
   planner           the planner's prediction (python -m torchmeg.plan --world 1 --gpu <this GPU>, with
                     --calibration from the calibrate step when it ran) for every compile_vs_eager and
@@ -168,9 +169,13 @@ def serving(check: Check, timeout: float) -> dict:
     path = os.path.join(check.work, "serve.json")
     # --profile: the 32-at-once run once more under torch's profiler, after the measured rows (how the
     # H200 of 2026-11-29 was found host-bound in cuDNN's attention: docs/gpu-results.md)
+    # --decode eager,static: every row with the eager decode step and with the static one (CUDA graphs on
+    # a GPU; compiled on the CPU), side by side (batching.static_decode); the profile and the sampled run
+    # take the server's default (static on a GPU)
     check.sh([sys.executable, "tools/serve_bench.py", "--engine", *run, "--sets", "fixed", "--concurrency", f"1,{n}",
               "--requests", str(n), "--max-tokens", str(tokens), "--max-seqs", str(n), "--json", path,
-              "--profile", os.path.join(check.work, "serve_profile")], timeout - (time.monotonic() - t0))
+              "--decode", "eager,static", "--profile", os.path.join(check.work, "serve_profile")],
+             timeout - (time.monotonic() - t0))
     rows = json.load(open(path))
     prof = rows[-1].pop("profile")
     # Sampled (temperature 1, top_p 0.9, a presence penalty) at the same concurrency: every draw's

@@ -1,7 +1,8 @@
 """Serving throughput and latency, reported as `vllm bench serve` reports them.
 
     python tools/serve_bench.py --config recipes/debug_llama.toml [--sets mix,fixed] [--concurrency 1,8,32,64]
-        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine [--peer transformers]]
+        [--requests 64] [--max-tokens 128] [--max-seqs 32] [--url http://HOST:PORT | --engine [--peer transformers]
+        [--decode eager,static]]
         [--json FILE] [--profile FOLDER]
         [--section.key=value ...]
 
@@ -19,7 +20,10 @@ this process, no HTTP (the engine's own scaling, apart from the server's). `--pe
 --engine): the model exported as checkpoint.export_hf writes it (llama and hf models) and run by
 transformers' continuous batching (`generate_batch`: paged cache, block sharing on, --max-seqs
 requests a batch) on the same requests, greedy; one line per set: both throughputs side by side, the
-ratio, and how many requests got the same tokens. `--profile FOLDER` (with --engine): each set's last
+ratio, and how many requests got the same tokens. `--decode eager,static` (with --engine): every set and
+concurrency with the eager decode step and with the static one (batching.static_decode), side by side,
+and a line per pair: TPOT and throughput ratios, the graphs compiled, the decode steps by padded size.
+`--profile FOLDER` (with --engine): each set's last
 concurrency run once more, profiled (the rows are not): its steps (what each forward held, its time
 with the device synchronized), torch's profiler tables by host and by device time, and a summary in
 the row (`profile`) (how an H200's serving was found host-bound in cuDNN's attention:
@@ -175,9 +179,13 @@ def engine_runner(args, rest):
     cli.size_engine(a, loaded.built.model, loaded.device)  # the server's dtype and slot length
     max_len = a.max_model_len
 
-    def run_engine(bodies: list[dict], concurrency: int, profile: bool = False) -> dict:
+    default_static = cli.static_decode(a, loaded.built.model, loaded.device)
+
+    def run_engine(bodies: list[dict], concurrency: int, profile: bool = False, decode: str = "") -> dict:
+        static = default_static if not decode else decode == "static"
         engine = Engine(loaded.built.model, loaded.tokenizer, loaded.device, args.max_seqs, max_len, len(bodies),
-                        a.prefill_tokens, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks)
+                        a.prefill_tokens, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks,
+                        static_decode=static)
         engine.reserve()  # (the KV pool, allocated at start as the server does: not in the first request's time)
         records, ended = [], []
 
@@ -214,7 +222,11 @@ def engine_runner(args, rest):
             run_engine.profile = write_profile(args.profile, concurrency, steps, profiler)
         progress(f"{len(bodies)} requests at concurrency {concurrency}: {wall:.1f} s")
         kv = dict(most_running=most, preemptions=engine.scheduler.preemptions, kv_blocks=engine.pool.usable,
-                  kv_positions_written=engine.cache.written)
+                  kv_positions_written=engine.cache.written, decode="static" if static else "eager")
+        if static:  # (the compiled step's graphs so far, the decode steps by padded size; why it fell back, if it did)
+            st = engine.runner.static
+            kv.update(compiles=st.compiles if st else 0, steps_by_size=dict(st.steps) if st else {},
+                      static_failed=engine.runner.static_failed)
         # (a collection before the next run's engine reserves its own pool: a 1B's on an H200 ran out of
         # memory at the second run when a reference cycle kept the last one)
         engine = None
@@ -361,6 +373,8 @@ def main() -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--presence-penalty", type=float, default=0.0)
     ap.add_argument("--engine", action="store_true", help="the engine in this process, no HTTP (its own scaling)")
+    ap.add_argument("--decode", default="", help="with --engine: eager,static runs every set and concurrency with each "
+                    "decode step, side by side (batching.static_decode; default: the server's --static-decode)")
     ap.add_argument("--peer", default="", choices=["", "transformers"],
                     help="with --engine: also transformers' continuous batching on the exported model, same requests")
     args, rest = ap.parse_known_args()
@@ -368,6 +382,9 @@ def main() -> None:
         raise SystemExit("serve_bench: --peer transformers runs beside --engine (both in this process)")
     if args.peer and (args.temperature or args.presence_penalty):
         raise SystemExit("serve_bench: --peer compares greedy tokens: leave --temperature and --presence-penalty at 0")
+    modes = [m for m in args.decode.split(",") if m]
+    if modes and (not args.engine or set(modes) - {"eager", "static"}):
+        raise SystemExit("serve_bench: --decode takes eager and/or static, with --engine")
     if args.profile and not args.engine:
         raise SystemExit("serve_bench: --profile profiles the engine in this process: add --engine")
     proc, url = (None, "") if args.engine or args.url else start_server(args, rest)
@@ -388,14 +405,22 @@ def main() -> None:
             bodies = [dict(model=model, prompt=p, max_tokens=args.max_tokens, temperature=args.temperature,
                            top_p=args.top_p, presence_penalty=args.presence_penalty, seed=i, ignore_eos=True,
                            stream=True, stream_options={"include_usage": True}) for i, p in enumerate(prompts)]
-            run_one(bodies[:1], 1)  # warm up
-            set_rows = [dict(run_one(bodies, c), set=name) for c in [int(x) for x in args.concurrency.split(",")]]
+            set_rows = []
+            for mode in modes or [""]:
+                kw = dict(decode=mode) if mode else {}
+                # warm up: the first shapes, allocations; a static step's compile (every size > 1 is one
+                # graph, which 2 requests at once compile)
+                run_one(bodies[:1], 1, **kw)
+                if mode == "static":
+                    run_one(bodies[:2], 2, **kw)
+                mode_rows = [dict(run_one(bodies, c, **kw), set=name) for c in [int(x) for x in args.concurrency.split(",")]]
+                for r in mode_rows:
+                    r["vs_first"] = round(r["output_tokens_per_sec"] / max(mode_rows[0]["output_tokens_per_sec"], 1e-9), 2)
+                set_rows += mode_rows
             if not all(r["output_tokens_per_sec"] > 0 for r in set_rows):
                 raise SystemExit(f"serve_bench: set {name}: a run produced no tokens (its errors above)")
-            for r in set_rows:
-                r["vs_first"] = round(r["output_tokens_per_sec"] / set_rows[0]["output_tokens_per_sec"], 2)
-            if args.profile:  # once more at the last concurrency, profiled (the rows above are not)
-                run_one(bodies, set_rows[-1]["concurrency"], profile=True)
+            if args.profile:  # once more at the last concurrency (and --decode mode), profiled (the rows above are not)
+                run_one(bodies, set_rows[-1]["concurrency"], profile=True, **({"decode": modes[-1]} if modes else {}))
                 set_rows[-1]["profile"] = run_one.profile
             rows += set_rows
             if args.peer:
@@ -409,7 +434,8 @@ def main() -> None:
               "TPOT mean / median / p99 (ms) | ITL mean / median / p99 (ms) |")
         print("|---|---:|---:|---:|---:|---|---|---|")
         for r in rows:
-            print(f"| {r['set']} | {r['concurrency']} | {r['request_throughput']:.2f} | "
+            label = f"{r['set']}, {r['decode']} decode" if modes else r["set"]
+            print(f"| {label} | {r['concurrency']} | {r['request_throughput']:.2f} | "
                   f"{r['output_tokens_per_sec']:,.0f} | {r['vs_first']:.2f}x | "
                   + " | ".join(" / ".join(f"{r[f'{k}_{s}_ms']:,.0f}" for s in ("mean", "median", "p99"))
                                for k in ("ttft", "tpot", "itl")) + " |")
@@ -419,6 +445,14 @@ def main() -> None:
                 a, b = by[("shared", c)], by[("unrelated", c)]
                 print(f"shared prefix vs unrelated prompts at concurrency {c}: {b['seconds'] / a['seconds']:.2f}x "
                       f"faster in all, TTFT median {b['ttft_median_ms'] / max(a['ttft_median_ms'], 1e-9):.2f}x lower")
+        by_mode = {(r["set"], r["concurrency"], r.get("decode")): r for r in rows}
+        for (name, c, mode), r in by_mode.items():
+            e = by_mode.get((name, c, "eager"))
+            if mode == "static" and e:
+                print(f"static vs eager decode, {name} at concurrency {c}: TPOT median {r['tpot_median_ms']:.2f} vs "
+                      f"{e['tpot_median_ms']:.2f} ms ({e['tpot_median_ms'] / max(r['tpot_median_ms'], 1e-9):.2f}x), output "
+                      f"tok/s {r['output_tokens_per_sec'] / e['output_tokens_per_sec']:.2f}x; {r['compiles']} graphs "
+                      f"compiled in all, decode steps by padded size {r['steps_by_size']}")
         for r in rows:
             if "most_running" in r:  # (--engine: the paged KV pool's use)
                 print(f"KV pool {r['set']} at concurrency {r['concurrency']}: {r['kv_blocks']:,} blocks of 16, at most "

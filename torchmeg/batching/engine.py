@@ -33,14 +33,16 @@ log = logging.getLogger("torchmeg.serve")
 class Engine:
     def __init__(self, model, tokenizer, device, max_seqs: int, max_len: int, max_queue: int,
                  prefill_tokens: int = 2048, channel=None, metrics=None, prefix_caching: bool = True,
-                 num_blocks: int = 0):
+                 num_blocks: int = 0, static_decode: bool = False):
         """`num_blocks`: the KV pool's blocks (batching.blocks: the null block included; 0: enough for
-        `max_seqs` sequences of `max_len`, what serving.kv_budget sizes it at most)."""
+        `max_seqs` sequences of `max_len`, what serving.kv_budget sizes it at most). `static_decode`:
+        every decode step through one compiled step, a CUDA graph on a GPU (batching.static_decode)."""
         self.tok, self.max_seqs, self.max_len = tokenizer, max_seqs, max_len
         self.pool = BlockPool(num_blocks or pool_blocks(max_seqs, max_len))
         if self.pool.usable < self.pool.blocks_for(max_len):
             raise ValueError(f"a KV pool of {self.pool.usable} blocks cannot hold one sequence of {max_len} positions")
-        self.runner = ModelRunner(model, device, self.pool.num_blocks, max_len, eos_id=tokenizer.eos_id)
+        self.runner = ModelRunner(model, device, self.pool.num_blocks, max_len, eos_id=tokenizer.eos_id,
+                                  static_decode=static_decode, max_seqs=max_seqs)
         self.scheduler = Scheduler(max_seqs, max_queue, prefill_tokens, self.pool,
                                    prefix_caching=prefix_caching and not self.runner.own_cache)
         self.metrics = metrics if metrics is not None else NoMetrics()  # a server's: batching.metrics.Metrics

@@ -11,6 +11,7 @@ the same plan (`follow`), so their pools hold the same positions in the same blo
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Callable
 
 import torch
@@ -19,10 +20,16 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.models.kv_cache import KVCache, varying_shapes
 from torchmeg.batching.scheduler import Plan
 from torchmeg.batching.paged import PagedCache
+from torchmeg.batching.static_decode import StaticDecode
+
+log = logging.getLogger("torchmeg.serve")
 
 
 class ModelRunner:
-    def __init__(self, model, device, num_blocks: int, max_len: int, eos_id: int = 0):
+    def __init__(self, model, device, num_blocks: int, max_len: int, eos_id: int = 0, static_decode: bool = False,
+                 max_seqs: int = 1):
+        """`static_decode`: decode steps through one compiled step, a CUDA graph on a GPU
+        (batching.static_decode; the caller checked the model is eligible)."""
         self.model, self.device, self.max_len = model, torch.device(device), max_len
         self.filler = max(eos_id, 0)
         self.cache = PagedCache(num_blocks, device)
@@ -31,6 +38,10 @@ class ModelRunner:
         self.own_cache = bool(getattr(model, "keeps_own_cache", False))
         self.own: dict[int, KVCache] = {}  # slot -> its sequence's cache, when the model keeps its own
         self.full: dict[int, torch.Tensor] = {}  # slot -> its chunk's logits at every position [n, V]
+        self.static: StaticDecode | None = None
+        self.static_failed = ""  # why the static step was turned off (its compile failed), if it was
+        if static_decode:
+            self.static = StaticDecode(model, self.cache, max_seqs, graphs=self.device.type == "cuda")
 
     def forward(self, plan: Plan) -> torch.Tensor:
         """Run a plan's forwards -> logits [chunks + decodes, V], float: each prefill chunk's last
@@ -74,10 +85,25 @@ class ModelRunner:
                 positions = self.cache.bind([plan.tables[slot]], [start], len(chunk))
                 out[i] = self._chunk(plan, slot, chunk, positions, self.cache)[0]
         rows = [o[None] for o in out]
-        if plan.rows:  # (the tokens, starts and tables in one upload)
+        static = self._static(plan) if plan.rows and self.static is not None else None
+        if static is not None:
+            rows.append(static)
+        elif plan.rows:  # (the tokens, starts and tables in one upload)
             positions = self.cache.bind([plan.tables[s] for s in plan.rows], plan.starts, 1, [[t] for t in plan.tokens])
             rows.append(self.model(self.cache.tokens, positions=positions, cache=self.cache)[:, -1])
         return torch.cat(rows).float() if rows else torch.empty(0)
+
+    def _static(self, plan: Plan) -> torch.Tensor | None:
+        """The decode rows through the static step -> logits, or None when its compile failed (the
+        step turned off, one warning: the eager decode runs this step and the next)."""
+        try:
+            return self.static.run([plan.tables[s] for s in plan.rows], plan.starts, plan.tokens)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            self.static_failed = str(e).splitlines()[0][:300]
+            log.warning("the static decode step did not compile (%s): decoding eagerly; --enforce-eager skips it",
+                        self.static_failed)
+            self.static = None
+            return None
 
     def _chunk(self, plan: Plan, slot: int, chunk: list[int], positions, cache) -> torch.Tensor:
         """One prompt chunk alone over `cache` -> its last position's logits [1, V]; every position's

@@ -95,6 +95,15 @@ def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
         if positions_L is not None:
             cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
         c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
+    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        # A compiled inference step (the serving engine's static decode, batching.static_decode): the
+        # real form, which inductor fuses into one kernel; it has no code for complex numbers, so the
+        # complex multiply below runs as separate eager kernels inside the graph (a 16-layer decode
+        # step on this CPU: 2.1 ms real, 4.2 ms complex). Training keeps the complex form, compiled
+        # or not (its compiled parity tests hold it to the eager run).
+        x0, x1 = x_BLHD.float().reshape(B, L, H, D // 2, 2).unbind(-1)
+        c, s = c.float(), s.float()
+        return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).reshape(B, L, H, D).type_as(x_BLHD)
     # One complex multiply per pair: the same products and sums as the real form written out
     # (equal to the bit, checked), 7x faster forward + backward on CPU than four strided real ones.
     x = torch.view_as_complex(x_BLHD.float().reshape(B, L, H, D // 2, 2))

@@ -37,6 +37,7 @@ from torchmeg.runtime import process as runtime
 from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, pool_size
 from torchmeg.inference.sampling_defaults import sampling_defaults
 from torchmeg.batching.runner import follow, kv_bytes_per_token
+from torchmeg.batching.static_decode import eligible
 from torchmeg.train.validate import validate
 
 PROG = "torchmeg.serve"
@@ -71,6 +72,10 @@ def parse(argv: list[str]):
                     help="auto (vLLM's default): the model's generation_config.json sets the sampling defaults of "
                     "requests that leave them out (temperature, top_p, top_k, the chat max_tokens cap); vllm: "
                     "the API's own (temperature 1, top_p 1)")
+    ap.add_argument("--static-decode", default="auto", choices=["auto", "on", "off"],
+                    help="decode steps through one compiled step, replayed as a CUDA graph on a GPU, the batch padded "
+                    "to vLLM's capture sizes (auto: on with CUDA; on a CPU each size compiles at first use)")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM's flag: every step eager (--static-decode off)")
     ap.add_argument("--drain-timeout", type=float, default=60.0,
                     help="SIGTERM: seconds the requests in flight may take to finish; then they are closed")
     return ap.parse_known_args(argv)
@@ -113,7 +118,8 @@ def run(prepared) -> None:
     channel = (lambda plan: dist.broadcast_object_list([plan], src=0)) if world > 1 else None
     # (the queue is bounded by the API process, which sees every request first)
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
-                    a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks)
+                    a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks,
+                    static_decode=static_decode(a, model, device))
     a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
@@ -127,6 +133,17 @@ def run(prepared) -> None:
         _serve_http(a, cfg, layout, loaded, engine, dtype)
     loaded = engine = model = None
     runtime.end()
+
+
+def static_decode(a, model, device: torch.device) -> bool:
+    """Whether the engine decodes through the static step (batching.static_decode): --static-decode,
+    --enforce-eager, and what the model allows (`on` for a model that cannot: one line, the fix)."""
+    if a.enforce_eager or a.static_decode == "off":
+        return False
+    why = eligible(model)
+    if a.static_decode == "on" and why:
+        raise ConfigError(f"--static-decode on: not for this model ({why}); leave it at auto")
+    return not why and (a.static_decode == "on" or device.type == "cuda")
 
 
 def size_engine(a, model, device: torch.device) -> torch.dtype:
@@ -156,9 +173,17 @@ def _serve_http(a, cfg, layout, loaded, engine, dtype) -> None:
               f"{str(dtype).replace('torch.', '')} | up to {a.max_seqs} sequences of {a.max_model_len} tokens "
               f"(KV pool {max(a.num_blocks - 1, 0)} blocks of {BLOCK}, {a.kv_bytes / 2 ** 30:.2f} GiB"
               f"{' per rank' if dist.get_world_size() > 1 else ''}"
-              f"{'; ' + a.len_note if a.len_note else ''}) | http://{a.host}:{a.port}/v1" + (f"\n{PROG}: {note}" if note else ""))
+              f"{'; ' + a.len_note if a.len_note else ''}) | {decode_words(engine)} | http://{a.host}:{a.port}/v1" + (f"\n{PROG}: {note}" if note else ""))
     serve(engine, FrontendSpec(loaded.tokenizer, cfg, a.served_model_name or cfg.job.name, a.max_model_len,
                                a.max_seqs, a.max_queue, a.host, a.port, a.drain_timeout, header, defaults))
+
+
+def decode_words(engine) -> str:
+    """How the engine decodes, as the header says it."""
+    static = engine.runner.static
+    if static is None:
+        return "eager decode"
+    return f"static decode ({'CUDA graphs, ' if static.graphs else 'compiled, '}sizes {','.join(map(str, static.sizes))})"
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:

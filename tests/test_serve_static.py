@@ -1,0 +1,171 @@
+"""The serving engine's static decode step (torchmeg.batching.static_decode): every decode step through
+one compiled forward (a CUDA graph on a GPU), the batch padded to vLLM's capture sizes. Judged by the
+eager engine on the same requests: the same tokens (fp32: equal; bf16: within the format's bound), one
+compile over a 200-request mix of batch sizes, lengths, preemptions, sampling and penalties, and the
+CPU shadow of a GPU's launches: the ATen ops a decode step dispatches.
+"""
+import random
+
+import pytest
+import torch
+
+from torchmeg.batching.engine import Engine
+from torchmeg.batching.generation import Sampling
+from torchmeg.batching.scheduler import Job
+from torchmeg.batching.static_decode import capture_sizes, eligible
+from torchmeg.config.schema import load_config
+from torchmeg.data.tokenizer import ByteTokenizer
+from torchmeg.models import build_model, materialize
+
+def _model(dtype=torch.float32):
+    cfg = load_config("recipes/debug_llama.toml", ["--model.n_layers=2"])
+    return materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval().to(dtype)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+POOL = dict(max_seqs=16, max_len=128, num_blocks=25)  # 24 usable blocks: the mix preempts
+
+
+def _mix(n: int, seed: int = 0) -> list[dict]:
+    """n requests: prompts of 1-100 tokens, 1-9 new tokens; greedy, sampled (seeded) and penalized."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        sampling = Sampling(temperature=0.9, top_p=0.9, seed=i) if i % 4 == 1 else Sampling()
+        out.append(dict(prompt=[rng.randrange(256) for _ in range(rng.randrange(1, 101))], max_tokens=1 + i % 9,
+                        sampling=sampling, presence=0.5 if i % 7 == 3 else 0.0))
+    return out
+
+
+def _serve(model, requests, static: bool, **kw):
+    """The requests through an engine, arriving in waves of 1-24 every few steps (the running batch
+    takes every size) -> (jobs, engine, decode steps run)."""
+    engine = Engine(model, ByteTokenizer(), "cpu", max_queue=len(requests), static_decode=static, **kw)
+    engine.reserve()
+    forward, decodes = engine.runner.forward, []
+    engine.runner.forward = lambda plan: (decodes.append(len(plan.rows)) if plan.rows else None, forward(plan))[1]
+    jobs = [Job(list(r["prompt"]), r["max_tokens"], r["sampling"], on_event=lambda *e: None, presence=r["presence"])
+            for r in requests]
+    rng, queue, step = random.Random(1), list(jobs), 0
+    while queue or engine.running or engine.waiting:
+        if queue and step % 3 == 0:
+            for _ in range(rng.randrange(1, 25)):
+                if queue:
+                    engine.submit(queue.pop(0))
+        engine.step()
+        step += 1
+    return jobs, engine, decodes
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_static_decode_over_a_200_request_mix_compiles_once_and_gives_the_eager_tokens(model):
+    """200 requests (greedy, sampled, penalized; prompts of 1-100 tokens) arriving in waves into 16
+    places over a pool too small for them all (preemptions, recomputed prompts): the static step runs
+    every decode step the eager engine runs, at sizes padded to 1, 2, 4, 8, 16, compiles once (at most
+    the number of sizes: dynamo's own counter agrees), and every request gets the eager engine's tokens
+    and finish reason, fp32."""
+    from torch._dynamo.utils import counters
+    requests = _mix(200)
+    eager, e_engine, e_steps = _serve(model, requests, static=False, **POOL)
+    graphs_before = counters["stats"]["unique_graphs"]
+    static, s_engine, s_steps = _serve(model, requests, static=True, **POOL)
+    s = s_engine.runner.static
+    assert s is not None and not s_engine.runner.static_failed
+    assert s.sizes == capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert 1 <= s.compiles <= len(s.sizes), s.compiles
+    assert counters["stats"]["unique_graphs"] - graphs_before == s.compiles
+    # every decode step went through it, padded: several sizes, and batches that were not a size
+    assert sum(s.steps.values()) == len(s_steps) == len(e_steps) > 50, (s.steps, len(e_steps))
+    assert len(s.steps) >= 4 and set(s.steps) <= set(s.sizes), s.steps
+    assert any(n not in s.sizes for n in s_steps)
+    assert s_engine.scheduler.preemptions == e_engine.scheduler.preemptions > 0
+    assert s_engine.cache.written == e_engine.cache.written
+    for i, (a, b) in enumerate(zip(eager, static)):
+        assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), (i, requests[i], a.tokens, b.tokens)
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_a_static_decode_step_dispatches_a_fraction_of_the_eager_ops(model):
+    """The CPU shadow of a GPU's launch-bound decode: the ATen ops one decode step of 3 sequences
+    dispatches (torch's profiler), eager vs static. Eager runs ~35 ops a layer from Python; the static
+    step runs inductor's fused kernels and dispatches only the matmuls, the attention and the views
+    around them (a GPU replays them all as one graph)."""
+    from torch.profiler import profile
+    counts = {}
+    for static in (False, True):
+        # (the pool of the test above: its compiled step serves this engine too, no compile of its own)
+        engine = Engine(model, ByteTokenizer(), "cpu", max_queue=4, static_decode=static, **POOL)
+        for i in range(3):
+            engine.submit(Job([5 + i, 6, 7], 8, Sampling(), on_event=lambda *e: None))
+        engine.step()  # (the prompts)
+        engine.step()  # (the first decode: the static step compiles)
+        plan, _, _ = engine.scheduler.schedule()
+        assert len(plan.rows) == 3 and not plan.prefill
+        with profile() as prof, torch.no_grad():
+            engine.runner.forward(plan)
+        names = [e.name for e in prof.events() if e.name.startswith("aten::")]
+        counts[static] = len(names)
+        if static:
+            assert engine.runner.static.steps[4] == 2  # (3 rows padded to 4, this step and the one before)
+    layers = len(model.layers)
+    assert counts[False] >= 25 * layers and counts[True] * 4 <= counts[False], counts
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_bf16_static_decode_equals_eager_up_to_the_format(tmp_path):
+    """bf16: the static step fuses what eager rounds apart (the norms, RoPE, the residual adds keep
+    float32 inside a fused kernel), so a log-prob may differ by the roundings on the path, at most one
+    bf16 unit (2^-8 relative) for each of the 6 per layer and 2 at the end (the bound
+    tests/test_serve_engine.py derives): every compared token's log-prob is within it, a greedy token
+    may differ only at a near-tie (its two best within twice the bound), and most steps are compared."""
+    model = _model(torch.bfloat16)
+    rel = (6 * len(model.layers) + 2) * 2 ** -8
+    prompts = [list(f"def f{i}(x):\n    return x * {i} + ".encode()) for i in range(8)]
+    runs = {}
+    for static in (False, True):
+        engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=8, max_len=64, max_queue=8, static_decode=static)
+        jobs = [Job(p, 16, Sampling(), on_event=lambda *a: None, logprobs=2) for p in prompts]
+        for j in jobs:
+            engine.submit(j)
+        while engine.running or engine.waiting:
+            engine.step()
+        runs[static] = jobs
+        assert not static or sum(engine.runner.static.steps.values()) == 15
+    compared = 0
+    for a, b in zip(runs[False], runs[True]):
+        for t in range(16):
+            (lp_a, top_a), (lp_b, _) = a.token_logprobs[t], b.token_logprobs[t]
+            top2 = [v for _, v in top_a]
+            bound = rel * max(abs(v) for v in top2)
+            if a.tokens[t] != b.tokens[t]:  # (then the texts differ: the comparison of this pair stops)
+                assert top2[0] - top2[1] <= 2 * bound, (t, a.tokens, b.tokens, top2, bound)
+                break
+            assert abs(lp_a - lp_b) <= bound, (t, lp_a, lp_b, bound)
+            compared += 1
+    assert compared >= 0.75 * 16 * len(prompts), compared
+
+
+def test_hf_and_tensor_parallel_models_keep_the_eager_step():
+    """Who gets the static step: torchmeg's families on one rank; an `hf` model (transformers' attention)
+    and DTensor weights (tensor parallel) say why not, and --static-decode on for them is one line."""
+    from types import SimpleNamespace as NS
+    from torchmeg.config.errors import ConfigError
+    from torchmeg.serving.cli import static_decode
+    llama = _model()
+    assert eligible(llama) == ""
+    hf_like = torch.nn.Linear(2, 2)
+    hf_like.keeps_own_cache = False
+    assert "hf" in eligible(hf_like)
+    args = NS(enforce_eager=False, static_decode="on")
+    assert static_decode(args, llama, torch.device("cpu")) is True
+    assert static_decode(NS(enforce_eager=False, static_decode="auto"), llama, torch.device("cpu")) is False
+    assert static_decode(NS(enforce_eager=True, static_decode="on"), llama, torch.device("cpu")) is False
+    with pytest.raises(ConfigError, match="--static-decode on: not for this model"):
+        static_decode(args, hf_like, torch.device("cpu"))

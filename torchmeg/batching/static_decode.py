@@ -1,0 +1,210 @@
+"""A static decode step (vLLM's compiled, CUDA-graphed decode): one compiled forward for every decode
+step of the serving engine, replayed as a CUDA graph on a GPU.
+
+An eager decode step dispatches ~35-40 ops a layer from Python, each a kernel launch on a GPU: a 1B's
+step on an H200 took 24,001 launches and was bound by the host (docs/gpu-results.md). Here the step is
+one `torch.compile`d function of fixed inputs, so inductor fuses the pointwise ops (the norms, RoPE, the
+residuals, the cache writes' index math) and a GPU replays the whole step as one CUDA graph:
+
+- **Inputs, one upload**: [rows, 2 + blocks] int64, each row its start (the position its new token
+  takes), its token and its block table padded with the null block. Positions, the pool slot each new
+  key is written at, the slots each row reads and its mask are computed inside the graph.
+- **Padded to a few sizes** (`capture_sizes`, vLLM's: 1, 2, 4, then multiples of 8 up to --max-seqs):
+  the rows past the batch read and write only the null block (start 0, every table entry the null
+  block) and their logits are dropped. The tables' width is the batch's longest in blocks; on a GPU
+  rounded up to a power of two, so a size has a handful of widths, each its own graph.
+- **Compiled once, shapes symbolic**: the batch is unbacked on a CPU (a batch of 1 gets no graph of
+  its own; on a GPU backed, as vLLM marks it: 1 and the rest) and the width dynamic, so one compile
+  (two on a GPU) serves every size and length (`compiles` counts them: tests/test_serve_static.py). On a GPU each size and width is recorded as a CUDA graph the first time
+  it runs and replayed after (inductor's cudagraph trees); the pools are marked static (the graphs
+  write them in place). On a CPU the kernels are called from C++ (inductor's cpp_wrapper).
+- **Attention**: SDPA over the view gathered through the block tables (as the eager decode's
+  batching.paged: SDPA reads no block table), masked past each row's start. RoPE in its real form
+  (models.rope: one fused kernel; inductor has no code for the complex multiply the eager step runs).
+- **Guards**: every call checks the inputs' and the pools' shapes and types, not the model's
+  parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe: their checks took a quarter of a
+  16-layer CPU step). One compile per model (`isolate_recompiles`: another model never runs its
+  graph), shared by every engine over that model: a server's, each benchmark run's.
+
+Prefill stays eager (batching.runner): prompts vary in length and are compute-bound. Serving turns the
+step on with `--static-decode on` (default `auto`: on with CUDA, where the graphs pay; a CPU pays a
+compile at the first decode, ~20 s for a small model) and off with `--enforce-eager` (vLLM's flag).
+Eligible: torchmeg's own model families on one rank (`eligible`); `hf` models, whose attention runs
+through transformers' interface, and tensor-parallel engines keep the eager step. A step that fails to
+compile turns the static step off for the engine with one warning naming the error (the eager step
+runs it); the runner's `static_failed` says why.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+
+import torch
+
+from torchmeg.batching.blocks import BLOCK, NULL
+from torchmeg.batching.paged import PagedCache
+from torchmeg.models.kv_cache import LayerCache
+
+
+def capture_sizes(max_seqs: int) -> list[int]:
+    """The batch sizes a decode step is padded to (vLLM's cudagraph capture sizes: 1, 2, 4, then
+    every multiple of 8), up to the first that holds `max_seqs`."""
+    sizes, s = [], 1
+    while not sizes or sizes[-1] < max_seqs:
+        sizes.append(s)
+        s = s * 2 if s < 8 else s + 8
+    return sizes
+
+
+def eligible(model) -> str:
+    """'' when a model's decode can run as a static step, else why not (one phrase)."""
+    if hasattr(model, "keeps_own_cache"):  # (models.hf_causal's, whichever cache it keeps)
+        return "an hf model's attention runs through transformers"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "tensor parallel"
+    return ""
+
+
+class StaticDecode:
+    """The compiled decode step of one engine's model over its paged cache (batching.paged)."""
+
+    def __init__(self, model, cache: PagedCache, max_seqs: int, graphs: bool):
+        self.model, self.cache, self.graphs = model, cache, graphs
+        self.sizes = capture_sizes(max_seqs)
+        self.steps: Counter = Counter()  # decode steps run, by padded size
+        self.view = StaticCache(cache)
+        self._fn, self._compiled = compiled_step(model, graphs)
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled for this model so far (every engine over it shares them)."""
+        return self._compiled[0]
+
+    def width(self, blocks: int) -> int:
+        """The block tables' width for a batch whose longest reads `blocks` blocks: on a GPU the next
+        power of two (a graph per width), on a CPU the blocks themselves (no graphs; no padding read)."""
+        return 1 << (blocks - 1).bit_length() if self.graphs else blocks
+
+    def size(self, rows: int) -> int:
+        return next(s for s in self.sizes if s >= rows)
+
+    def run(self, tables: list[list[int]], starts: list[int], tokens: list[int]) -> torch.Tensor:
+        """One decode step: row i's token at position starts[i], its keys through tables[i] ->
+        logits [rows, V] (the padded rows' dropped)."""
+        rows, dev = len(tables), self.cache.device
+        size = self.size(rows)
+        # (2 blocks at least: a table of 1 is a specialized shape, its own graph)
+        blocks = self.width(max(2, *(s // BLOCK + 1 for s in starts)))
+        host = [[s, t] + tb[:blocks] + [NULL] * (blocks - len(tb[:blocks])) for s, t, tb in zip(starts, tokens, tables)]
+        host += [[0, 0] + [NULL] * blocks] * (size - rows)
+        packed = torch.tensor(host, dtype=torch.long, device=dev)
+        # the tables' width dynamic; the batch too: on a CPU unbacked (a batch of 1 gets no graph of its
+        # own), on a GPU backed (as vLLM marks it: cudagraph trees' well-trodden path; 1 and the rest)
+        if self.graphs:
+            torch._dynamo.maybe_mark_dynamic(packed, 0)
+        else:
+            torch._dynamo.decorators.mark_unbacked(packed, 0)
+        torch._dynamo.maybe_mark_dynamic(packed, 1)
+        self.view.sync()
+        if self.graphs and not self.view.marked:
+            self.view.mark_static()
+        with torch.no_grad():  # (the graph is inference's: a caller's grad mode would compile another)
+            out = self._fn(self.model, self.view, packed)[:rows]
+        self.steps[size] += 1
+        self.cache.written += rows
+        return out
+
+
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_step(model, graphs: bool):
+    """The compiled `decode_step` for `model` -> (callable, [compiles]): one per model (its own
+    entries: isolate_recompiles), shared by every engine over it (a server's, each GRPO rollout's, each
+    of a benchmark's runs), which differ only in their pools (guarded: shapes and types)."""
+    key = (graphs,)
+    per_model = _COMPILED.setdefault(model, {})
+    if key not in per_model:
+        count = [0]
+
+        def backend(gm, example_inputs):
+            from torch._inductor.compile_fx import compile_fx  # lazy: inductor loads at the first compile
+            count[0] += 1
+            # a GPU replays the step as CUDA graphs; a CPU calls its kernels from C++ (inductor's
+            # cpp_wrapper: the Python wrapper's ~25 views and checks a layer took half a 16-layer step)
+            return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphs, "cpp_wrapper": not graphs})
+        fn = torch.compile(decode_step, backend=backend, dynamic=None, isolate_recompiles=True,
+                           options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        per_model[key] = (fn, count)
+    return per_model[key]
+
+
+def decode_step(model, view: "StaticCache", packed: torch.Tensor) -> torch.Tensor:
+    """The step compiled: packed [rows, 2 + blocks] (start, token, table) -> logits [rows, V]."""
+    start, tokens, tables = packed[:, 0], packed[:, 1:2], packed[:, 2:]
+    positions = start[:, None]
+    view.bind(positions, tables)
+    logits = model(tokens, positions=positions, cache=view)[:, -1]
+    view.bind(None, None)  # (nothing of the step outlives it: no tensor stored for dynamo to return)
+    return logits
+
+
+class StaticCache:
+    """The cache interface the model code calls (models.kv_cache: layer(name), mask, query_slots),
+    over a PagedCache's pools, its per-step tensors bound inside the compiled step."""
+
+    def __init__(self, paged: PagedCache):
+        self.paged = paged
+        self.layers: dict[str, StaticLayer] = {}
+        self.model_state: dict = {}
+        self.marked = False
+
+    def layer(self, name: str) -> "StaticLayer":
+        return self.layers[name]
+
+    def sync(self) -> None:
+        """Every layer's pools, before a step (outside the graph: the dict it reads stays the same)."""
+        if len(self.layers) != len(self.paged.layers):
+            self.layers = {n: StaticLayer(self, x) for n, x in self.paged.layers.items()}
+
+    def mark_static(self) -> None:
+        """The pools as fixed addresses (a CUDA graph writes them in place)."""
+        for layer in self.paged.layers.values():
+            for pool in (layer.k, layer.v):
+                if pool is not None:
+                    torch._dynamo.mark_static_address(pool)
+        self.marked = True
+
+    def bind(self, positions: torch.Tensor, tables: torch.Tensor) -> None:
+        """positions [rows, 1], tables [rows, blocks]: the slots each row reads (every position of its
+        blocks, in order), the one it writes, and which it may read (<= its position); None: unbound."""
+        if tables is None:
+            self.read = self.write = self.write_at = self._mask = None
+            return
+        every = (tables[:, :, None] * BLOCK + torch.arange(BLOCK, device=tables.device)).flatten(1)
+        self.read, self.write_at = every, positions
+        self.write = every.gather(1, positions).flatten()
+        j = torch.arange(every.shape[1], device=tables.device)
+        self._mask = (j[None, None, :] <= positions[:, :, None])[:, None]  # [rows, 1, 1, keys]
+
+    def mask(self, n: int, keys: int) -> torch.Tensor:
+        return self._mask
+
+    def query_slots(self, n: int) -> torch.Tensor:
+        """[rows, 1]: each new token's index among the keys a layer reads (its position)."""
+        return self.write_at
+
+
+class StaticLayer(LayerCache):
+    """One layer's pools (batching.paged.PagedLayer's), written and read through the bound tables."""
+
+    def __init__(self, owner: StaticCache, paged_layer):
+        super().__init__(owner)
+        self.paged_layer = paged_layer
+
+    def _write(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
+        c, pool = self.owner, getattr(self.paged_layer, name)
+        K, _, D = pool.shape
+        pool.index_copy_(1, c.write, x_BKLD.transpose(0, 1).reshape(K, -1, D).to(pool.dtype))
+        R, L = c.read.shape
+        return pool.index_select(1, c.read.flatten()).view(K, R, L, D).transpose(0, 1)
