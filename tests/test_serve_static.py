@@ -169,3 +169,21 @@ def test_hf_and_tensor_parallel_models_keep_the_eager_step():
     assert static_decode(NS(enforce_eager=True, static_decode="on"), llama, torch.device("cpu")) is False
     with pytest.raises(ConfigError, match="--static-decode on: not for this model"):
         static_decode(args, hf_like, torch.device("cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_a_model_whose_step_does_not_compile_keeps_the_eager_step():
+    """The MoE families route through experts dynamo does not trace as one graph (their grouped matmul
+    runs under torch._dynamo.disable; a token's routing shapes the rest): their step fails to compile (fullgraph: unguarded per-layer graphs would run one layer's for
+    another's), the engine decodes eagerly with one warning, every request gets the eager tokens, and
+    the next engine over the model does not try again."""
+    cfg = load_config("recipes/moe_debug.toml", ["--model.n_layers=2"])
+    moe = materialize(build_model(cfg, 257, "meta"), "cpu", seed=0).eval()
+    requests = _mix(12)
+    eager, _, _ = _serve(moe, requests, static=False, max_seqs=4, max_len=128)
+    static, engine, _ = _serve(moe, requests, static=True, max_seqs=4, max_len=128)
+    assert engine.runner.static is None and engine.runner.static_failed  # (dynamo's first line, why)
+    assert [j.tokens for j in static] == [j.tokens for j in eager]
+    again = Engine(moe, ByteTokenizer(), "cpu", max_seqs=4, max_len=128, max_queue=4, static_decode=True)
+    assert again.runner.static is None and "did not compile" in again.runner.static_failed

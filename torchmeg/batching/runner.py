@@ -20,7 +20,7 @@ from torchmeg.config.errors import ConfigError
 from torchmeg.models.kv_cache import KVCache, varying_shapes
 from torchmeg.batching.scheduler import Plan
 from torchmeg.batching.paged import PagedCache
-from torchmeg.batching.static_decode import StaticDecode
+from torchmeg.batching.static_decode import StaticDecode, did_not_compile, eligible
 
 log = logging.getLogger("torchmeg.serve")
 
@@ -39,8 +39,9 @@ class ModelRunner:
         self.own: dict[int, KVCache] = {}  # slot -> its sequence's cache, when the model keeps its own
         self.full: dict[int, torch.Tensor] = {}  # slot -> its chunk's logits at every position [n, V]
         self.static: StaticDecode | None = None
-        self.static_failed = ""  # why the static step was turned off (its compile failed), if it was
-        if static_decode:
+        # why the static step asked for does not run (its compile failed, now or for an earlier engine)
+        self.static_failed = eligible(model) if static_decode else ""
+        if static_decode and not self.static_failed:
             self.static = StaticDecode(model, self.cache, max_seqs, graphs=self.device.type == "cuda")
 
     def forward(self, plan: Plan) -> torch.Tensor:
@@ -98,8 +99,9 @@ class ModelRunner:
         step turned off, one warning: the eager decode runs this step and the next)."""
         try:
             return self.static.run([plan.tables[s] for s in plan.rows], plan.starts, plan.tokens)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        except torch._dynamo.exc.TorchDynamoException as e:  # (a graph break under fullgraph, a failed compile)
             self.static_failed = str(e).splitlines()[0][:300]
+            did_not_compile(self.model, self.static_failed)
             log.warning("the static decode step did not compile (%s): decoding eagerly; --enforce-eager skips it",
                         self.static_failed)
             self.static = None

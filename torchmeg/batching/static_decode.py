@@ -20,7 +20,8 @@ residuals, the cache writes' index math) and a GPU replays the whole step as one
   write them in place). On a CPU the kernels are called from C++ (inductor's cpp_wrapper).
 - **Attention**: SDPA over the view gathered through the block tables (as the eager decode's
   batching.paged: SDPA reads no block table), masked past each row's start. RoPE in its real form
-  (models.rope: one fused kernel; inductor has no code for the complex multiply the eager step runs).
+  (models.rope.REAL_FORM, set around the step: one fused kernel; inductor has no code for the complex
+  multiply every other forward runs).
 - **Guards**: every call checks the inputs' and the pools' shapes and types, not the model's
   parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe: their checks took a quarter of a
   16-layer CPU step). One compile per model (`isolate_recompiles`: another model never runs its
@@ -30,9 +31,10 @@ Prefill stays eager (batching.runner): prompts vary in length and are compute-bo
 step on with `--static-decode on` (default `auto`: on with CUDA, where the graphs pay; a CPU pays a
 compile at the first decode, ~20 s for a small model) and off with `--enforce-eager` (vLLM's flag).
 Eligible: torchmeg's own model families on one rank (`eligible`); `hf` models, whose attention runs
-through transformers' interface, and tensor-parallel engines keep the eager step. A step that fails to
-compile turns the static step off for the engine with one warning naming the error (the eager step
-runs it); the runner's `static_failed` says why.
+through transformers' interface, and tensor-parallel engines keep the eager step. The step compiles as
+one graph (fullgraph); one that does not (the MoE families: their experts run under
+torch._dynamo.disable) turns the static step off with one warning naming the error (the eager step
+runs it; the runner's `static_failed` says why), for this engine and every later one over the model.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ import torch
 from torchmeg.batching.blocks import BLOCK, NULL
 from torchmeg.batching.paged import PagedCache
 from torchmeg.models.kv_cache import LayerCache
+from torchmeg.models.rope import REAL_FORM
 
 
 def capture_sizes(max_seqs: int) -> list[int]:
@@ -62,7 +65,13 @@ def eligible(model) -> str:
         return "an hf model's attention runs through transformers"
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return "tensor parallel"
-    return ""
+    failed = _COMPILED.get(model, {}).get("failed")
+    return f"its step did not compile ({failed})" if failed else ""
+
+
+def did_not_compile(model, why: str) -> None:
+    """Remember that `model`'s step failed to compile (its next engines keep the eager step at once)."""
+    _COMPILED.setdefault(model, {})["failed"] = why
 
 
 class StaticDecode:
@@ -108,8 +117,13 @@ class StaticDecode:
         self.view.sync()
         if self.graphs and not self.view.marked:
             self.view.mark_static()
-        with torch.no_grad():  # (the graph is inference's: a caller's grad mode would compile another)
-            out = self._fn(self.model, self.view, packed)[:rows]
+        # (no_grad: the graph is inference's, a caller's grad mode would compile another; RoPE's real form)
+        REAL_FORM[0] = True
+        try:
+            with torch.no_grad():
+                out = self._fn(self.model, self.view, packed)[:rows]
+        finally:
+            REAL_FORM[0] = False
         self.steps[size] += 1
         self.cache.written += rows
         return out
@@ -133,7 +147,11 @@ def compiled_step(model, graphs: bool):
             # a GPU replays the step as CUDA graphs; a CPU calls its kernels from C++ (inductor's
             # cpp_wrapper: the Python wrapper's ~25 views and checks a layer took half a 16-layer step)
             return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphs, "cpp_wrapper": not graphs})
-        fn = torch.compile(decode_step, backend=backend, dynamic=None, isolate_recompiles=True,
+        # fullgraph: one frame, whose module guards can be skipped. With a graph break (MoE's routing)
+        # each layer's resumed frame would be compiled once and, unguarded, run for another layer of
+        # another kind (a dense block's for an MoE block's; gpt-oss's windowed layer's for a full one's):
+        # such a model fails to compile here and keeps the eager step (batching.runner)
+        fn = torch.compile(decode_step, backend=backend, dynamic=None, fullgraph=True, isolate_recompiles=True,
                            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         per_model[key] = (fn, count)
     return per_model[key]

@@ -80,6 +80,11 @@ def rope_tables(head_dim: int, max_len: int, theta: float, device=None, a=None) 
     return (ang.cos() * att).float(), (ang.sin() * att).float()
 
 
+# [True] while the serving engine's static decode step runs (read when dynamo traces apply_rope, which
+# guards on it: the step's graph and every other one are each traced with their own form)
+REAL_FORM = [False]
+
+
 def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
                positions_L: torch.Tensor | None = None) -> torch.Tensor:
     """Rotate interleaved pairs (x0,x1),(x2,x3)... as Meta's complex-number RoPE does.
@@ -95,12 +100,12 @@ def apply_rope(x_BLHD: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor,
         if positions_L is not None:
             cos_LD, sin_LD = cos_LD[positions_L], sin_LD[positions_L]
         c, s = cos_LD[:L].view(1, L, 1, D // 2), sin_LD[:L].view(1, L, 1, D // 2)
-    if torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        # A compiled inference step (the serving engine's static decode, batching.static_decode): the
-        # real form, which inductor fuses into one kernel; it has no code for complex numbers, so the
-        # complex multiply below runs as separate eager kernels inside the graph (a 16-layer decode
-        # step on this CPU: 2.1 ms real, 4.2 ms complex). Training keeps the complex form, compiled
-        # or not (its compiled parity tests hold it to the eager run).
+    if REAL_FORM[0] and torch.compiler.is_compiling():
+        # The serving engine's static decode step (batching.static_decode sets REAL_FORM around it):
+        # the real form, which inductor fuses into one kernel; it has no code for complex numbers, so
+        # the complex multiply below runs as separate eager kernels inside the graph (a 16-layer decode
+        # step on this CPU: 2.1 ms real, 4.2 ms complex). Every other forward, compiled or not, keeps
+        # the complex form (training's compiled graphs and their parity tests unchanged).
         x0, x1 = x_BLHD.float().reshape(B, L, H, D // 2, 2).unbind(-1)
         c, s = c.float(), s.float()
         return torch.stack([x0 * c - x1 * s, x0 * s + x1 * c], -1).reshape(B, L, H, D).type_as(x_BLHD)
