@@ -29,7 +29,7 @@ class ModelRunner:
     def __init__(self, model, device, num_blocks: int, max_len: int, eos_id: int = 0, static_decode: bool = False,
                  max_seqs: int = 1):
         """`static_decode`: decode steps through one compiled step, a CUDA graph on a GPU
-        (batching.static_decode; the caller checked the model is eligible)."""
+        (batching.static_decode); a model it does not serve keeps the eager step (`static_failed`: why)."""
         self.model, self.device, self.max_len = model, torch.device(device), max_len
         self.filler = max(eos_id, 0)
         self.cache = PagedCache(num_blocks, device)
