@@ -408,8 +408,8 @@ def main() -> None:
             set_rows = []
             for mode in modes or [""]:
                 kw = dict(decode=mode) if mode else {}
-                # warm up: the first shapes, allocations; a static step's compile (every size > 1 is one
-                # graph, which 2 requests at once compile)
+                # warm up: the first shapes, allocations; a static step's compile (on a CPU one graph; on a
+                # GPU a batch of 1 and the rest are two, which 2 requests at once reach)
                 run_one(bodies[:1], 1, **kw)
                 if mode == "static":
                     run_one(bodies[:2], 2, **kw)
