@@ -174,15 +174,19 @@ def test_layer_kinds_of_real_models():
     assert _kinds("debug_llama.toml", "--model.n_layers=6", "--lora.enable=true") == [0] * 6
 
 
-# (name, recipe, world, overrides): each family and layout whose layers or stages differ
+# (name, recipe, world, overrides): each family and layout whose layers or stages differ. Each at about
+# the fewest layers where a sampled plan still traces fewer than all (below that the planner traces every
+# layer and the test would compare a plan with itself: 10 layers of llama's two kinds, 48 of PP 4
+# interleaved); the reference's trace of every layer is most of a case's time (gpt-oss 20 -> 12 layers,
+# llama 16 -> 12: 172 -> ~90 s of the two in a whole run)
 CASES = [
     ("llama_fsdp2_accum3_recompute_every_2nd", "debug_llama.toml", 2,
-     ["--model.n_layers=16", "--training.local_batch_size=2", "--training.global_batch_size=12",
+     ["--model.n_layers=12", "--training.local_batch_size=2", "--training.global_batch_size=12",
       "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_option=2"]),
     ("moe_dense_first_ep2_fsdp2", "moe_debug.toml", 4,
      ["--model.n_layers=12", "--parallelism.expert_parallel_degree=2"]),
     ("gpt_oss_windowed_full_tp2", "gpt_oss_debug.toml", 2,
-     ["--model.n_layers=20", "--parallelism.tensor_parallel_degree=2", "--data.seq_len=64"]),
+     ["--model.n_layers=12", "--parallelism.tensor_parallel_degree=2", "--data.seq_len=64"]),
     ("deepseek_mla_mtp_fsdp2_full_recompute", "deepseek_v3_debug.toml", 2,
      ["--model.n_layers=12", "--activation_checkpoint.mode=full"]),
     ("llama_lora_fsdp2", "debug_llama.toml", 2,
