@@ -31,22 +31,20 @@ def test_sample_combines_host_counters_on_the_logits_device():
 
 
 def _on_meta(monkeypatch, token: int):
-    """The engine's two host reads replaced: its sampler's device part runs (and is checked to stay
-    on meta), then a fixed token / score stands in for what `.tolist()` would read."""
-    seen = {"rows": 0, "scored": 0}
+    """The engine's host reads replaced: its sampler's device part runs (the tensor read is checked
+    to be on meta), then `token` stands in for every number `.tolist()` would read (the tokens, their
+    scores, the top pairs)."""
+    seen = {"reads": 0, "numbers": 0}
 
-    def rows(logits, jobs):
-        nxt = sampler.next_tokens(logits, jobs)
-        assert logits.device == META and nxt.device == META and nxt.shape == (len(jobs),)
-        seen["rows"] += len(jobs)
-        return [token] * len(jobs)
+    def read(t):
+        assert t.device == META, t.device
+        seen["reads"] += 1
+        seen["numbers"] += t.numel()
+        return [token] * t.numel()
 
-    def scores(logits, chosen, k):
-        picked, top = sampler.score_tensors(logits, chosen, k)
-        assert picked.device == META and (top is None or top.values.device == META)
-        seen["scored"] += logits.shape[0]
-        return [(0.0, [])] * logits.shape[0]
-    monkeypatch.setattr(engine_mod, "sample_rows", rows)
+    def scores(logits, chosen, k):  # (the prompt's log-probs, read apart: none asked for here)
+        raise AssertionError("no prompt log-probs were asked for")
+    monkeypatch.setattr(sampler, "host_read", read)
     monkeypatch.setattr(sampler, "scores", scores)
     return seen
 
@@ -71,7 +69,10 @@ def test_sampled_requests_with_penalties_and_logprobs_run_on_the_device(monkeypa
         engine.step()
     assert ends == {0: "length", 1: "length"}, ends  # (an error would end them "error: ...")
     assert [j.tokens for j in jobs] == [[65] * 3] * 2
-    assert seen == {"rows": 6, "scored": 3}, seen
+    # one read a step (3 steps: the packed prefill's, then 2 decodes), each of both rows' token, log p
+    # and top 3 pairs (the greedy row's scored too: the rows are scored together, none uploaded)
+    assert seen == {"reads": 3, "numbers": 3 * (2 + 2 + 2 * 3 * 2)}, seen
+    assert jobs[0].token_logprobs == [(65, [(65, 65)] * 3)] * 3 and jobs[1].token_logprobs == []
     assert jobs[0].penalty_counts.device == META and jobs[0].repetition_seen.device == META
 
 
@@ -82,7 +83,7 @@ def test_a_grpo_rollout_runs_on_the_device(monkeypatch):
     prompts = [[10, 11, 12, 13, 14, 15, 16, 17]] * 2 + [[20, 21, 22]] * 2
     out, stats = rollout.generate(_model(), ByteTokenizer(), META, prompts, [0, 1, 0, 1], SAMPLED, 2, frozenset({0}))
     assert [r.completion for r in out] == [[66, 66]] * 4
-    assert seen == {"rows": 8, "scored": 8}, seen
+    assert seen["numbers"] == 2 * 8, seen  # every token read with its score (processed, no top pairs)
 
 
 class _HostTensors(TorchDispatchMode):
@@ -159,3 +160,54 @@ def test_each_row_of_a_mixed_batch_draws_what_it_draws_alone():
             j.tokens.append(t)
             a.tokens.append(t)
     assert len({tuple(j.tokens) for j in together}) > 1
+
+
+def _scores_before(logits, jobs, new):
+    """The engine's scoring before sample_and_score (2026-12-07), the reference: the asking rows and
+    their sampled tokens uploaded, scored, read apart from the tokens."""
+    want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
+    out = [None] * len(jobs)
+    if want:
+        x = logits[torch.tensor(want)].float()
+        temps = [jobs[i].sampling.temperature if jobs[i].processed_logprobs else 0.0 for i in want]
+        if any(temps):
+            x = x / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
+        got = sampler.scores(x, torch.tensor([new[i] for i in want]), max(jobs[i].logprobs for i in want))
+        for i, entry in zip(want, got):
+            out[i] = (entry[0], entry[1][:jobs[i].logprobs])
+    return out
+
+
+def test_a_step_reads_its_tokens_and_their_scores_in_one_read(monkeypatch):
+    """sample_and_score (the engine's): the tokens sample_rows gives and the scores the engine computed
+    before (every row's own top count, 0 to 5, or none; processed log-probs divided by the row's
+    temperature, greedy rows by 1; penalties on), bit for bit, over 4 steps — in ONE tensor made from
+    host data and ONE host read a step (the CPU shadow of a GPU step's uploads and syncs; before: 3
+    uploads and 2 reads when any row asked for log-probs)."""
+    reads = []
+    real = sampler.host_read
+    monkeypatch.setattr(sampler, "host_read", lambda t: reads.append(t.numel()) or real(t))
+    jobs, same = _jobs(MIXED, penalties=True), _jobs(MIXED, penalties=True)
+    for i, (j, r) in enumerate(zip(jobs, same)):
+        j.logprobs = r.logprobs = (-1, 0, 1, 3, 5, -1, 2, 0)[i]
+        j.processed_logprobs = r.processed_logprobs = i % 2 == 1
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        logits = torch.randn(len(jobs), 50, generator=g) * 3
+        reads.clear()
+        with _HostTensors() as host:
+            new, scores = sampler.sample_and_score(logits, jobs)
+        assert host.uploads == 1 and len(reads) == 1, (step, host.uploads, reads)
+        want = sampler.sample_rows(logits, same)
+        assert new == want and all(type(t) is int for t in new), step
+        assert scores == _scores_before(logits, same, want), step
+        assert [s is None for s in scores] == [j.logprobs < 0 for j in jobs]
+        assert [len(s[1]) for s in scores if s] == [0, 1, 3, 5, 2, 0]
+        for j, r, t in zip(jobs, same, new):
+            j.tokens.append(t)
+            r.tokens.append(t)
+    # no row asking: the tokens alone, as sample_rows reads them
+    plain = _jobs(MIXED, penalties=False)
+    reads.clear()
+    assert sampler.sample_and_score(logits, plain) == (sampler.sample_rows(logits, plain), [None] * len(plain))
+    assert reads == [len(plain), len(plain)]

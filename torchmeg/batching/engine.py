@@ -4,7 +4,7 @@ it when done. One direction of calls, one module each:
     API (serving.api) -> Engine.submit / cancel            (the server's threads, under `cond`)
     Engine.step: Scheduler.schedule -> Plan               (batching.scheduler, batching.blocks; under `cond`)
                  ModelRunner.forward(plan) -> logits      (batching.runner, batching.paged)
-                 sample_rows / logprobs                   (batching.sampler)
+                 sample_and_score                         (batching.sampler)
                  OutputProcessor.advance per sequence     (batching.output; outside `cond`)
 
 A request's tokens are a function of (its prompt, its sampling, its seed) only: the same random
@@ -24,7 +24,7 @@ from torchmeg.batching.blocks import BlockPool, pool_blocks
 from torchmeg.batching.metrics import NoMetrics
 from torchmeg.batching.output import OutputProcessor
 from torchmeg.batching.runner import ModelRunner
-from torchmeg.batching.sampler import prompt_logprobs, sample_rows, token_logprobs
+from torchmeg.batching.sampler import prompt_logprobs, sample_and_score
 from torchmeg.batching.scheduler import Job, Plan, Scheduler
 
 log = logging.getLogger("torchmeg.serve")
@@ -132,8 +132,8 @@ class Engine:
                 rows = logits[want[0]:want[-1] + 1]
             else:
                 rows = logits[torch.tensor(want, dtype=torch.long, device=logits.device)]
-            new = sample_rows(rows, jobs) if jobs else []
-            scores = token_logprobs(rows, jobs, new) if jobs else []
+            # (one upload, one host read: the tokens with the log-probs asked for)
+            new, scores = sample_and_score(rows, jobs) if jobs else ([], [])
             for (slot, start, _), job in zip(plan.prefill, chunks):
                 if slot in self.runner.full:
                     job.prompt_token_logprobs += prompt_logprobs(self.runner.full[slot], job, start)

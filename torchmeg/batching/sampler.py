@@ -1,7 +1,8 @@
 """A step's sampling: every row by its own request's parameters (penalties first), all rows in one
-call and one upload, and the log-probabilities the requests asked for. The random streams are
-torchmeg.batching.generation's (prompt tokens, sample index, step), so a request's tokens are those
-`torchmeg.generate` gives it alone.
+call and one upload, and the log-probabilities the requests asked for, computed on the device from the
+sampled tokens and read to the host with them in one read (`sample_and_score`: a GPU step's one sync).
+The random streams are torchmeg.batching.generation's (prompt tokens, sample index, step), so a
+request's tokens are those `torchmeg.generate` gives it alone.
 """
 from __future__ import annotations
 
@@ -16,7 +17,40 @@ from torchmeg.models.init import seed_key
 
 def sample_rows(logits: torch.Tensor, jobs: list[Job]) -> list[int]:
     """The next token of each row [N, V] for jobs[i]: next_tokens's, in one host read."""
-    return next_tokens(logits, jobs).tolist()
+    return host_read(next_tokens(logits, jobs))
+
+
+def host_read(t: torch.Tensor) -> list:
+    """A read of a device tensor to the host (on a GPU a sync: the step waits for its kernels)."""
+    return t.tolist()
+
+
+def sample_and_score(logits: torch.Tensor, jobs: list[Job]) -> tuple[list[int], list]:
+    """A step's sampling and scoring: (the next token of each row, per row (log p(token), the top k
+    (token, log p) pairs) for the jobs that asked, None for the others), as `sample_rows` and the
+    scores of `score_tensors` (the logits' log-softmax, divided by the temperature first for a job
+    with processed_logprobs, as RL compares them). One upload (next_tokens' buffer, which carries each
+    row's divisor too) and ONE host read: the scores are computed on the device from the sampled
+    tokens and read with them, packed as float64 (token ids exactly: < 2^53). Before: the sampled ids
+    read, then uploaded again with the rows that asked, their scores read: two uploads more, two syncs."""
+    tokens, divisor = _sample(logits, jobs)
+    want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
+    if not want:
+        return host_read(tokens), [None] * len(jobs)
+    k = max(jobs[i].logprobs for i in want)
+    picked, top = score_tensors(logits.float() / divisor[:, None], tokens, k)  # (every row: no index uploaded)
+    parts = [tokens.double(), picked.double()]
+    if top is not None:
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    flat = host_read(torch.cat(parts))
+    n, width = len(jobs), top.values.shape[-1] if top is not None else 0
+    new = [int(t) for t in flat[:n]]
+    values, ids = flat[2 * n:2 * n + n * width], flat[2 * n + n * width:]
+    out = [None] * n
+    for i in want:
+        pairs = [(int(ids[i * width + c]), values[i * width + c]) for c in range(width)]
+        out[i] = (flat[n + i], pairs[:jobs[i].logprobs])
+    return new, out
 
 
 def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
@@ -26,8 +60,15 @@ def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
     every row, whatever its settings, in one call; the penalties apply per row to slices of the
     buffer). tests/test_sampling_device.py runs it on the meta device, which stands in for CUDA,
     and counts the tensors it makes from host data."""
+    return _sample(logits, jobs)[0]
+
+
+def _sample(logits: torch.Tensor, jobs: list[Job]) -> tuple[torch.Tensor, torch.Tensor]:
+    """next_tokens' tokens and, from the same upload, each row's log-prob divisor [N] (its temperature
+    for a job with processed_logprobs and a temperature, else 1)."""
     n, vocab, dev = len(jobs), logits.shape[-1], logits.device
-    floats = [x for j in jobs for x in (j.sampling.temperature, j.sampling.top_p, j.sampling.min_p)]
+    floats = [x for j in jobs for x in (j.sampling.temperature, j.sampling.top_p, j.sampling.min_p,
+                                        j.sampling.temperature if j.processed_logprobs and j.sampling.temperature > 0 else 1.0)]
     data = [x for j in jobs for x in (j.stream, len(j.tokens), seed_key(j.sampling.seed), j.sampling.top_k)]
     data += struct.unpack(f"<{len(floats)}q", struct.pack(f"<{len(floats)}d", *floats))
     penalties = []  # (row, (offset, length, fresh) of its repetition mask's tokens, the same of its counts')
@@ -59,9 +100,9 @@ def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
                 c = penalty_counts(job, vocab, buf, counts)
                 logits[i] -= job.frequency * c + job.presence * (c > 0).float()
     rows = buf[:4 * n].view(n, 4)
-    settings = buf[4 * n:7 * n].view(torch.float64).view(n, 3).float()
+    settings = buf[4 * n:8 * n].view(torch.float64).view(n, 4).float()
     return sample_each(logits, settings[:, 0], rows[:, 3], settings[:, 1], settings[:, 2], rows[:, 0], rows[:, 1],
-                       rows[:, 2], SamplingMix.of([j.sampling for j in jobs]))
+                       rows[:, 2], SamplingMix.of([j.sampling for j in jobs])), settings[:, 3]
 
 
 def _stale(kept, counted: int, job: Job, vocab: int, device) -> bool:
@@ -92,24 +133,6 @@ def repetition_mask(job: Job, vocab: int, buf: torch.Tensor, at: tuple[int, int,
         mask.index_fill_(0, buf[offset:offset + length], True)  # (a Scalar: no tensor made on the host)
     job.repetition_seen, job.repetition_counted = mask, len(job.tokens)
     return mask
-
-
-def token_logprobs(logits: torch.Tensor, jobs: list[Job], new: list[int]) -> list:
-    """Per row, (the sampled token's log-probability, the top k (token, log-probability) pairs) for
-    the jobs that asked (None for the others): the logits' log-softmax (divided by the temperature
-    for a job with processed_logprobs), one host read."""
-    want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
-    out = [None] * len(jobs)
-    if want:
-        rows = torch.tensor(want, device=logits.device)
-        chosen = torch.tensor([new[i] for i in want], device=logits.device)
-        x = logits[rows].float()
-        temps = [jobs[i].sampling.temperature if jobs[i].processed_logprobs else 0.0 for i in want]
-        if any(temps):  # processed: of the distribution sampled from (temperature applied), as RL compares them
-            x = x / torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)[:, None]
-        for i, entry in zip(want, scores(x, chosen, max(jobs[i].logprobs for i in want))):
-            out[i] = (entry[0], entry[1][:jobs[i].logprobs])
-    return out
 
 
 def prompt_logprobs(logits_nV: torch.Tensor, job: Job, start: int) -> list:
