@@ -40,7 +40,7 @@ def _on_meta(monkeypatch, token: int):
         assert t.device == META, t.device
         seen["reads"] += 1
         seen["numbers"] += t.numel()
-        return [token] * t.numel()
+        return torch.full(t.shape, token).tolist()
 
     def scores(logits, chosen, k):  # (the prompt's log-probs, read apart: none asked for here)
         raise AssertionError("no prompt log-probs were asked for")

@@ -39,18 +39,17 @@ def sample_and_score(logits: torch.Tensor, jobs: list[Job]) -> tuple[list[int], 
         return host_read(tokens), [None] * len(jobs)
     k = max(jobs[i].logprobs for i in want)
     picked, top = score_tensors(logits.float() / divisor[:, None], tokens, k)  # (every row: no index uploaded)
-    parts = [tokens.double(), picked.double()]
+    # a row per job: [token, log p(token), the top k's values, their token ids]
+    cols = [tokens.double()[:, None], picked.double()[:, None]]
     if top is not None:
-        parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    flat = host_read(torch.cat(parts))
-    n, width = len(jobs), top.values.shape[-1] if top is not None else 0
-    new = [int(t) for t in flat[:n]]
-    values, ids = flat[2 * n:2 * n + n * width], flat[2 * n + n * width:]
-    out = [None] * n
+        cols += [top.values.double(), top.indices.double()]
+    rows = host_read(torch.cat(cols, 1))
+    width = top.values.shape[-1] if top is not None else 0
+    out = [None] * len(jobs)
     for i in want:
-        pairs = [(int(ids[i * width + c]), values[i * width + c]) for c in range(width)]
-        out[i] = (flat[n + i], pairs[:jobs[i].logprobs])
-    return new, out
+        r, n = rows[i], jobs[i].logprobs
+        out[i] = (r[1], [(int(t), v) for t, v in zip(r[2 + width:2 + width + n], r[2:2 + n])])
+    return [int(r[0]) for r in rows], out
 
 
 def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
