@@ -48,7 +48,7 @@ ALLOWED = {
 }
 # The top of the package: its __init__ and the thin `python -m torchmeg.X` entry modules.
 ENTRY_MODULES = {"torchmeg", "torchmeg.generate", "torchmeg.eval", "torchmeg.launch", "torchmeg.convert",
-                 "torchmeg.serve"}
+                 "torchmeg.serve", "torchmeg.replicas"}
 ENTRY_MAX_LINES = 12
 ABOVE_PARALLEL = ("torchmeg.models.spec", "torchmeg.models.args")
 

@@ -117,9 +117,43 @@ def decay_steps(cfg: Config) -> int | None:
     return None
 
 
+def _check_fault_tolerance(cfg: Config) -> None:
+    """[fault_tolerance]: the group's number, the quorum's size, and the timeouts in order: a cross-group
+    collective gives up (and the step is discarded) before the hang watchdog would end the group."""
+    ft = cfg.fault_tolerance
+    if not ft.enable:
+        return
+    if ft.replica_id >= ft.group_size:
+        raise ConfigError(f"fault_tolerance.replica_id = {ft.replica_id}: must be below fault_tolerance.group_size = "
+                          f"{ft.group_size} (groups are numbered 0 .. group_size - 1)")
+    if ft.min_replica_size > ft.group_size:
+        raise ConfigError(f"fault_tolerance.min_replica_size = {ft.min_replica_size}: more than the "
+                          f"{ft.group_size} groups (fault_tolerance.group_size); no step could ever commit")
+    if ft.semi_sync_method != "none":
+        raise ConfigError(f"fault_tolerance.semi_sync_method = {ft.semi_sync_method!r}: not built yet; \"none\" "
+                          f"(gradients all-reduced across groups every step) is")
+    if cfg.training.objective not in ("pretrain", "sft"):
+        raise ConfigError(f"fault_tolerance.enable with training.objective = {cfg.training.objective!r}: only "
+                          f"pretrain and sft read their data by position; train {cfg.training.objective} without "
+                          f"fault tolerance")
+    if cfg.parallelism.data_parallel_replicate_degree != 1:
+        raise ConfigError(f"parallelism.data_parallel_replicate_degree = "
+                          f"{cfg.parallelism.data_parallel_replicate_degree} with fault_tolerance.enable: replication "
+                          f"across groups is torchft's; set it to 1 (each group shards with data_parallel_shard_degree)")
+    if os.path.isabs(cfg.checkpoint.folder):
+        raise ConfigError(f"checkpoint.folder = {cfg.checkpoint.folder!r} with fault_tolerance.enable: each group "
+                          f"writes under its own <run>/replica_<id>/; give a relative folder")
+    t = cfg.training
+    if t.watchdog_factor > 0 and ft.process_group_timeout_ms / 1000 >= t.watchdog_min_s:
+        raise ConfigError(f"fault_tolerance.process_group_timeout_ms = {ft.process_group_timeout_ms}: must be under "
+                          f"training.watchdog_min_s = {t.watchdog_min_s:g} s (a dead peer must cost a discarded "
+                          f"step, not a watchdog exit); lower it or raise watchdog_min_s")
+
+
 def check_recipe(cfg: Config) -> None:
     """Everything the recipe alone decides: types and ranges of every key, choices, keys that go together."""
     _check_field_ranges(cfg)
     _check_special(cfg)
     _check_optimizer(cfg)
     _check_timeouts(cfg)
+    _check_fault_tolerance(cfg)

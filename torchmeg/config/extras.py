@@ -3,7 +3,8 @@ generates, evaluates, plans and converts without any of them. A job that needs o
 stops before it starts with one line naming the extra that brings it (exit 2, as a bad recipe does).
 
 The extras (pyproject.toml): serve (fastapi, uvicorn, prometheus_client: the HTTP server), data
-(pyarrow: Parquet input), hf (transformers: `hf` models), tools (matplotlib: plots); test holds them
+(pyarrow: Parquet input), hf (transformers: `hf` models), tools (matplotlib: plots), ft (torchft:
+[fault_tolerance]'s replica groups); test holds them
 all with the outside references the suite compares against (trl, peft, openai, megatron-core).
 """
 from __future__ import annotations

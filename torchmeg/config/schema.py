@@ -26,7 +26,7 @@ else:  # pragma: no cover
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.sections import (  # the sections' dataclasses (keys, types, defaults, help)
     Job, Model, Data, Training, Optimizer, LRScheduler, Parallelism, ActivationCheckpoint,
-    Compile, Float8, Checkpoint, Validation, Metrics, Profiling, Comm, Plan, Dpo, Grpo, Lora)
+    Compile, Float8, Checkpoint, Validation, Metrics, Profiling, Comm, Plan, Dpo, Grpo, Lora, FaultTolerance)
 
 __all__ = ["Config", "ConfigError", "coerce", "idle_overrides", "load_config", "split_overrides"]
 
@@ -52,13 +52,18 @@ class Config:
     dpo: Dpo = field(default_factory=Dpo)
     grpo: Grpo = field(default_factory=Grpo)
     lora: Lora = field(default_factory=Lora)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     # Where the recipe came from (for relative paths and messages); not a recipe key.
     source: str = field(default="<defaults>", repr=False)
 
     @property
     def run_dir(self) -> str:
-        return os.path.join(self.job.dump_folder, self.job.name)
+        """Where the run writes (metrics, checkpoints, exports); one folder per replica group under
+        fault tolerance, so groups never write into each other's."""
+        base = os.path.join(self.job.dump_folder, self.job.name)
+        ft = self.fault_tolerance
+        return os.path.join(base, f"replica_{ft.replica_id}") if ft.enable else base
 
 
 def sections() -> list[str]:
@@ -202,7 +207,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
 
 # Sections whose other keys do nothing while `enable` is false (checkpoint's are not among them:
 # initial_load_path and initial_load_hf act without it).
-SWITCHED = ("validation", "profiling", "float8", "lora", "compile")
+SWITCHED = ("validation", "profiling", "float8", "lora", "compile", "fault_tolerance")
 
 
 def idle_overrides(cfg: Config, overrides: list[str]) -> list[str]:

@@ -328,3 +328,30 @@ class Lora:
                                        "MoE routers")
     merge_on_export: bool = _f(False, help="checkpoint.export_hf writes the merged weights instead of base + adapter")
 
+
+
+@dataclass
+class FaultTolerance:
+    # torchtitan's [fault_tolerance] keys (torchft): replica groups, each a torchrun job of its own, data
+    # parallel across them through torchft's managed process group; python -m torchmeg.replicas starts the
+    # lighthouse and the groups (docs/fault-tolerance.md).
+    enable: bool = _f(False, help="train as one replica group of several (torchft; pip install 'torchmeg[ft]')")
+    replica_id: int = _f(0, lo=0, help="this group's number, 0 .. group_size - 1 (its outputs go to "
+                                       "<dump_folder>/<name>/replica_<id>/)")
+    group_size: int = _f(1, lo=1, help="how many replica groups the job has (the launcher's --groups)")
+    min_replica_size: int = _f(1, lo=1, help="a step commits only with at least this many groups taking part")
+    process_group: str = _f("gloo", choices=["gloo", "nccl"], help="the cross-group process group's backend "
+                                                                   "(nccl: CUDA only)")
+    process_group_timeout_ms: int = _f(10000, lo=100, help="a cross-group collective or heal transfer that takes "
+                                                           "longer fails, and the step is discarded; must stay "
+                                                           "under training.watchdog_min_s")
+    quorum_timeout_s: float = _f(120.0, lo=1.0, help="how long a step waits for the lighthouse's quorum (a group "
+                                                      "restarting, stragglers) before the run fails")
+    lighthouse: str = _f("", help="the lighthouse's address (http://host:port); '' = $TORCHFT_LIGHTHOUSE")
+    semi_sync_method: str = _f("none", choices=["none", "local_sgd", "diloco"],
+                               help="none: every step all-reduces gradients across groups; local_sgd / diloco: "
+                                    "not built yet (validation says so)")
+    sync_steps: int = _f(1, lo=1, help="semi-synchronous methods: inner steps between syncs")
+    log_weights_hash: bool = _f(False, help="each logged step carries weights_hash, a digest of the weights after "
+                                            "the update: equal in every group while they agree (hashes every "
+                                            "parameter byte: for checks, not for big runs)")

@@ -156,6 +156,10 @@ def format_line(r: dict) -> str:
         s += f" | reward {r['reward']:.3f} | len {r['completions/mean_length']:.0f} | rollout {r['rollout_s']:.1f} s"
     if "dpo_margin" in r:
         s += f" | margin {r['dpo_margin']:.3f} | acc {r['dpo_accuracy']:.2f}"
+    if "replicas" in r:  # fault tolerance: the groups this step, discarded steps so far, a heal
+        s += f" | replicas {r['replicas']}" + (f" | discarded {r['steps_discarded']}" if r["steps_discarded"] else "")
+        if "heal_from" in r:
+            s += f" | healed from group {r['heal_from']} ({r['heal_mib']:.1f} MiB, {r['heal_s']:.2f} s)"
     if "val_loss" in r:
         s += f" | val_loss {r['val_loss']:.4f}"
     if r.get("loss_spike"):

@@ -11,6 +11,7 @@ import sys
 from torchmeg.runtime import guard
 from torchmeg.config.schema import Config, idle_overrides, load_config
 from torchmeg.config.errors import ConfigError, LossSpikeError
+from torchmeg.train.fault_tolerance import FaultTolerantTrainer
 from torchmeg.train.trainer import Trainer
 from torchmeg.train.validate import validate
 
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return cfg, validate(cfg)
 
     def run(prepared):
-        trainer = Trainer(*prepared)
+        cls = FaultTolerantTrainer if prepared[0].fault_tolerance.enable else Trainer  # one replica group of several
+        trainer = cls(*prepared)
         trainer.run()
         trainer.close()
     # on_nonfinite / on_loss_spike = "stop", max_consecutive_skips: every rank stops alike

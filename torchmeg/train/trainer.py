@@ -171,6 +171,10 @@ class Trainer:
         loss_val, gn = self.loss_and_norm(self._forward_backward(batches))
         if eager is not None:
             check_against_eager(self, eager, (loss_val, gn))
+        return self.apply_step(loss_val, gn)
+
+    def apply_step(self, loss_val: float, gn: float) -> tuple[float, float, bool]:
+        """The update a step's loss and norm allow (none if non-finite or a skipped spike), the LR step, stats."""
         finite = math.isfinite(loss_val) and math.isfinite(gn)
         spike = self.state.spike
         self.spike_note = spike.observe(loss_val) if finite else None

@@ -19,6 +19,7 @@ from torchmeg.config.checks import check_recipe
 from torchmeg.data.sources import check_data_config
 from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.config.errors import ConfigError
+from torchmeg.config.extras import need
 from torchmeg.checkpoint.folder import MARKER, committed_steps
 from torchmeg.config.support import check_supported
 from torchmeg.checkpoint.folder import check_folder
@@ -45,6 +46,8 @@ def validate(cfg: Config, world_size: int | None = None, data: bool = True) -> L
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_recipe(cfg)
+    if cfg.fault_tolerance.enable and data:  # (the planner plans one group: no torchft needed)
+        need("torchft", "ft", "fault_tolerance.enable")
     if cfg.training.objective == "grpo":
         # The rollout engine decodes one token per row: the sequence is not sharded over TP, and its
         # sampling reads whole logits (a TP run gathers them).

@@ -1,0 +1,330 @@
+"""Training as one replica group of several, on torchft: a dead group costs the others a step, not the job.
+
+torchft's model (torchtitan's experiments/torchft for shape), on the trainer as it is:
+
+* Each replica group is a torchrun job of its own with the recipe's layout inside it (FSDP2, TP, PP, ...);
+  the groups are data parallel to each other through torchft's managed process group. After the
+  backward, rank r of every live group all-reduces its gradient shards (and its loss) with rank r of
+  the others (`average_across_groups`): the same layout in every group gives every rank the same shards.
+* Every step starts with a quorum from the lighthouse (`Manager.start_quorum`, synchronous here: a group
+  behind the others is healed before its forward) and ends with `should_commit`: the optimizer, the LR
+  schedule, the step counter, the data cursor and the metrics advance only on a committed step. A step
+  whose cross-group all-reduce failed (a peer died mid-step) is discarded and retried with the groups
+  that are left.
+* A group that starts late or restarts is healed from a live peer by torchft's checkpoint transport
+  (HTTP, rank r from rank r): this module's `heal_state` / `load_heal_state` give it the local weight
+  shards, the optimizer state, and the TrainState (step, data position, loss-spike history, RNG); the LR
+  schedule is rebuilt from the step. No checkpoint is read.
+* Data: a committed step with P groups taking part trains P group batches from the data cursor, the
+  group with participating rank p taking the p-th (`step_batches`); the cursor advances by P group
+  batches on commit and is part of the healed and checkpointed state. A discarded step's batches are
+  retaken by the next step, so the committed history trains every batch once, in order, whatever the
+  membership. (torchft.data.DistributedSampler instead fixes each group's shard by its replica id: a dead
+  group's shard is skipped while it is down, and the membership does not enter the position at all.)
+* Checkpoints: each group writes under its own <run>/replica_<id>/, and only the group with participating
+  rank 0 saves (the atomic commit as without fault tolerance). A restart of every group loads each its
+  newest; the quorum then heals any group that is behind from the one with the highest step.
+
+Test hooks (a test kills nothing else): TORCHMEG_TEST_FT_KILL="replica:rank:step" SIGKILLs that rank as
+its backward starts, on the group's first attempt only; TORCHMEG_TEST_FT_STOP="replica:rank:step" SIGSTOPs
+it there instead (a hung peer; the test sends SIGCONT); TORCHMEG_TEST_FT_ERROR_AT_STEP=N reports an
+all-reduce error at step N's first attempt (every group that has the variable discards it);
+TORCHMEG_TEST_FT_PACE_S=S makes every step last at least S seconds (a restart then spans some steps, as
+it does at scale, where steps take seconds and a restart tens of seconds).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import time
+
+import torch
+from torch.profiler import record_function
+
+from torchmeg.config.errors import ConfigError
+from torchmeg.config.extras import need
+from torchmeg.observe.metrics import MetricsLogger
+from torchmeg.observe.run_header import header_lines
+from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill
+from torchmeg.observe.profiling import StepProfiler
+from torchmeg.train.optim import build_lr_scheduler
+from torchmeg.train.replica_groups import assign_local, average_across_groups, job_id, local, step_batches, weights_digest
+from torchmeg.train.trainer import Trainer
+
+class FaultTolerantTrainer(Trainer):
+    """The Trainer as one replica group ([fault_tolerance]); without that section torchmeg.train runs the
+    plain Trainer, unchanged."""
+
+    def __init__(self, cfg, layout=None):
+        need("torchft", "ft", "fault_tolerance.enable")
+        if "RANK" not in os.environ:
+            raise ConfigError("fault_tolerance.enable: each replica group runs under torchrun; start the job with "
+                              "python -m torchmeg.replicas (docs/fault-tolerance.md)")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchft's manager finds its server through keys in the group's store; in the agent's store,
+            # which outlives a restart, a restarted rank would read the dead attempt's address.
+            raise ConfigError("fault_tolerance.enable under torchrun's shared agent store: launch the group with "
+                              "python -m torchmeg.launch (or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
+        self.discarded, self.heal, self._signal_in_backward, self._injected = 0, None, None, False
+        self._errored = False
+        self._started = False
+        super().__init__(cfg, layout)
+
+    # ---- set-up: the manager replaces the data loader -------------------------------------------
+    def _build_loader(self) -> None:
+        import torchft  # lazy: the ft extra (checked in __init__)
+
+        cfg, ft = self.cfg, self.cfg.fault_tolerance
+        self.logger = None  # opened after the first quorum, when this group's step is known (healed or loaded)
+        timeout = datetime.timedelta(milliseconds=ft.process_group_timeout_ms)
+        pg = (torchft.ProcessGroupNCCL(timeout=timeout) if ft.process_group == "nccl"
+              else torchft.ProcessGroupGloo(timeout=timeout))
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replica_size,
+            use_async_quorum=False,  # heal before the forward: a healed group takes part in the same step
+            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
+            rank=self.rank, world_size=self.world, replica_id=f"replica_{ft.replica_id}",
+            lighthouse_addr=ft.lighthouse or None,
+            init_sync=False)  # every group initialises alike from (seed, FQN); a late one is healed anyway
+        self.manager.register_state_dict_fn("torchmeg", self.load_heal_state, self.heal_state)
+        self.manager.load_state_dict({"step": self.state.step,
+                                      "batches_committed": self.state.next_sample() // self.layout.global_batch})
+        self.loader = None
+        inner = self.step_fn.loss_fn
+
+        def loss_fn(*args, **kw):  # the kill / hang test hooks: a signal to itself as this step's backward starts
+            loss = inner(*args, **kw)
+            sig = self._signal_in_backward
+            if sig is not None and loss.requires_grad:
+                self._signal_in_backward = None
+                loss.register_hook(lambda grad: self._signal_self(sig))
+            return loss
+        self.step_fn.loss_fn = loss_fn
+
+    def _signal_self(self, sig) -> None:
+        print(f"[test] replica group {self.cfg.fault_tolerance.replica_id} rank {self.rank} (pid {os.getpid()}): "
+              f"{signal.Signals(sig).name} to itself in step {self.state.step + 1}'s backward", flush=True)
+        os.kill(os.getpid(), sig)
+
+    # ---- what a healing peer receives --------------------------------------------------------------
+    def _optimizer_params(self) -> list:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def heal_state(self) -> dict:
+        """This rank's local shards of the weights and optimizer state, and the TrainState: what rank r
+        of a group that is behind needs from rank r here (the same layout gives it the same shards)."""
+        with torch.no_grad():
+            model = {n: local(p.detach()) for n, p in self.model.named_parameters()}
+            optim = {}
+            for i, p in enumerate(self._optimizer_params()):
+                st = self.optimizer.state.get(p, {})
+                optim[str(i)] = {k: local(v.detach()) if torch.is_tensor(v) else v for k, v in st.items()}
+        s = self.state
+        return {"model": model, "optim": optim,
+                "train": {"source": self.cfg.fault_tolerance.replica_id, "step": s.step, "sample_offset": s.sample_offset, "spike": s.spike.state(),
+                          "rng_cpu": torch.get_rng_state()}}
+
+    def load_heal_state(self, sd: dict) -> None:
+        """Apply a peer's heal_state(): weights, optimizer state, TrainState; the LR schedule follows the step."""
+        t0 = time.perf_counter()
+        nbytes = 0
+        params = dict(self.model.named_parameters())
+        for n, v in sd["model"].items():
+            assign_local(params[n], v)
+            nbytes += v.numel() * v.element_size()
+        if not self.optimizer.state:  # a fresh group: make the state there is to copy into
+            self._init_optimizer_state()
+        for i, p in enumerate(self._optimizer_params()):
+            for k, v in sd["optim"].get(str(i), {}).items():
+                st = self.optimizer.state[p]
+                if torch.is_tensor(v):
+                    assign_local(st[k], v)
+                    nbytes += v.numel() * v.element_size()
+                else:
+                    st[k] = v
+        tr = sd["train"]
+        self.state.step, self.state.sample_offset = tr["step"], tr["sample_offset"]
+        self.state.spike.load(tr["spike"])
+        torch.set_rng_state(tr["rng_cpu"])
+        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg, self.state.step)
+        self.heal = {"source": tr["source"], "step": tr["step"], "bytes": nbytes, "apply_s": time.perf_counter() - t0}
+
+    def _init_optimizer_state(self) -> None:
+        """Every parameter's optimizer state made by one step at learning rate 0 on zero gradients (no
+        update: AdamW's decoupled decay is lr x wd), so a healed group copies into it."""
+        saved = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        for p in self._optimizer_params():
+            p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for g, lr in zip(self.optimizer.param_groups, saved):
+            g["lr"] = lr
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _forward_backward(self, batches) -> torch.Tensor:
+        for var, sig in (("TORCHMEG_TEST_FT_KILL", signal.SIGKILL), ("TORCHMEG_TEST_FT_STOP", signal.SIGSTOP)):
+            where = os.environ.get(var, "").split(":")
+            if (where == [str(self.cfg.fault_tolerance.replica_id), str(self.rank), str(self.state.step + 1)]
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not self._injected):
+                self._injected, self._signal_in_backward = True, sig
+        loss_sum = super()._forward_backward(batches)
+        with record_function("torchmeg: all-reduce across replica groups"):
+            if os.environ.get("TORCHMEG_TEST_FT_ERROR_AT_STEP") == str(self.state.step + 1) and not self._errored:
+                self._errored = True  # (the first attempt only: the retry goes through)
+                self.manager.report_error(RuntimeError("injected all-reduce error (TORCHMEG_TEST_FT_ERROR_AT_STEP)"))
+            grads = [local(p.grad) for p in self.params if p.grad is not None]
+            loss = loss_sum.reshape(1).to(grads[0].dtype if grads else loss_sum.dtype)
+            average_across_groups(self.manager, grads + [loss])
+        return loss.reshape(()).to(loss_sum.dtype)
+
+    def train_step(self, batches):
+        """The plain step, but its update happens only if the quorum commits it: -> (loss, grad_norm,
+        stepped), stepped None when the step was discarded (nothing changed; the same step is retried).
+        (compile.verify_cache's eager first step is the plain trainer's: not run here.)"""
+        loss_val, gn = self.loss_and_norm(self._forward_backward(batches))
+        with record_function("torchmeg: should_commit"):
+            commit = self.manager.should_commit()
+        if not commit:
+            self.optimizer.zero_grad(set_to_none=True)
+            return loss_val, gn, None
+        return self.apply_step(loss_val, gn)
+
+    # ---- the loop ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        cfg, ft = self.cfg, self.cfg.fault_tolerance
+        if self.rank == 0:
+            print("\n".join(header_lines(self)), flush=True)
+            print(f"replicas   group {ft.replica_id} of {ft.group_size} (torchft {ft.process_group}; a step commits with "
+                  f"at least {ft.min_replica_size}; cross-group timeout {ft.process_group_timeout_ms} ms, quorum "
+                  f"{ft.quorum_timeout_s:g} s); outputs in {cfg.run_dir}", flush=True)
+            if self.start_step:
+                print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes),
+                      flush=True)
+        stop = StopFlag()
+        self.timeouts = CollectiveTimeouts(cfg, keep_long=[self.ckpt.async_group] if self.ckpt else [])
+        self._window, self._skipped = [0.0, 0], 0
+        profiler = StepProfiler(cfg, self.rank, self.device)
+        while self.state.step < cfg.training.steps:
+            if self._finished_without_us():
+                break
+            step, loss, gn, lr, stepped, members = self._replica_step()
+            if stepped is None:  # discarded: nothing advanced; the same step is tried again
+                self.discarded += 1
+                why = self.manager.errored()
+                digest = weights_digest(self.model) if ft.log_weights_hash else None
+                if self.rank == 0:
+                    print(f"step {step:>5} | discarded ({why.original_exception if why else 'not enough replicas'}"
+                          f") | replicas {members} | {self.discarded} discarded so far | lr {self.optimizer.param_groups[0]['lr']:.6e}"
+                          + (f" | weights_hash {digest}" if digest else ""), flush=True)
+                continue
+            profiler.step(step)
+            with record_function("torchmeg: validate, log, save"):
+                val = self._maybe_validate(step)
+                self.objective_stats = self._replica_stats(members)
+                if (step % cfg.metrics.log_freq == 0 or step in (1, cfg.training.steps) or val is not None
+                        or not stepped or self.spike_note or self.heal is not None):
+                    self._log(step, loss, gn, lr, val, stepped)
+                self._check_skips(step, stepped)
+                self.state.step = step
+                # the data cursor: this step trained `members` group batches
+                self.state.sample_offset += (members - 1) * self.layout.global_batch
+                self._poll_save(step)
+                preempted = stop.agreed()
+                if self.manager.participating_rank() == 0:  # one group writes
+                    self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
+            inject_kill(step, self.rank)
+            if preempted:
+                if self.rank == 0:
+                    print(f"SIGTERM: stopped after step {step}", flush=True)
+                break
+        profiler.close()
+        self._finish()
+        if self.rank == 0 and self.state.step >= cfg.training.steps and job_id():
+            with open(self._marker_path(), "w") as fh:  # what a group that restarts after the end reads
+                json.dump({"job": job_id(), "step": self.state.step, "replica": ft.replica_id}, fh)
+        self.manager.shutdown(wait=False)
+        return 0
+
+    def _marker_path(self) -> str:
+        return os.path.join(os.path.dirname(self.cfg.run_dir), "finished.json")
+
+    def _finished_without_us(self) -> bool:
+        """A group restarted (by its agent) after the job's other groups finished must not train the run
+        again alone: the finished group's marker (same job id) says so, and this group ends, exit 0.
+        (Without a job id: TORCHMEG_FT_JOB_ID, set by torchmeg.replicas, or SLURM_JOB_ID, no marker.)"""
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" or not job_id():
+            return False
+        try:
+            with open(self._marker_path()) as fh:
+                done = json.load(fh)
+        except (OSError, ValueError):
+            return False
+        if done.get("job") != job_id() or done.get("step", 0) < self.cfg.training.steps:
+            return False
+        if self.rank == 0:
+            print(f"replicas   the job finished at step {done['step']} (group {done['replica']}) while this group "
+                  f"was down; nothing left to train ({self._marker_path()})", flush=True)
+        return True
+
+    def _replica_step(self):
+        """Quorum (healing this group if it is behind), this rank's batches for the membership, the step.
+        -> (step, loss, grad_norm, lr, stepped or None when discarded, groups taking part)."""
+        self.heal = None
+        self.watchdog.begin(f"quorum before step {self.state.step + 1}")  # (the long limit: a peer may be restarting)
+        t0 = time.perf_counter()
+        with record_function("torchmeg: quorum"):
+            self.manager.start_quorum()
+            ft = self.cfg.fault_tolerance
+            # A group's first step waits (up to the quorum timeout) for every group, which the lighthouse
+            # counts only once each has started: a job (re)started as a whole goes on as one. Later,
+            # whoever is live goes on. (A group restarting alone finds the others there at once.)
+            while (not self._started and self.manager.num_participants() < ft.group_size
+                   and time.perf_counter() - t0 < ft.quorum_timeout_s):
+                time.sleep(0.2)
+                self.manager.start_quorum()
+            self._started = True
+        self.quorum_s = time.perf_counter() - t0
+        self.watchdog.end()
+        if self.logger is None:  # rows past the step this group goes on from were rolled back: dropped
+            self.logger = MetricsLogger(self.cfg, self.rank, resume_step=self.state.step)
+        step = self.state.step + 1  # (after a heal: the peer's)
+        if self.heal is not None and self.rank == 0:
+            h = self.heal
+            print(f"healed     from replica group {h['source']} at step {h['step']}: {h['bytes'] / 2**20:,.1f} MiB on "
+                  f"rank 0, quorum + transfer {self.quorum_s:.2f} s (applied in {h['apply_s']:.2f} s); no checkpoint "
+                  f"read", flush=True)
+        members, member = self.manager.num_participants(), self.manager.participating_rank()
+        self.timeouts.steady(self.watchdog.limit_for("step"))
+        self.watchdog.begin(f"step {step}")
+        t1 = time.perf_counter()
+        with record_function("torchmeg: data"):
+            lay = self.layout
+            batches = step_batches(self.train_set, lay.local_batch, self.dims.dp, self.dp_rank, lay.accum,
+                                   self.state.next_sample(), members, member)
+        lr = self.optimizer.param_groups[0]["lr"]
+        loss, gn, stepped = self.train_step(batches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        pace = float(os.environ.get("TORCHMEG_TEST_FT_PACE_S", "0"))  # tests: steps at least this long (a
+        if pace > 0:                                                    # restart then spans steps, as at scale)
+            time.sleep(max(0.0, pace - (time.perf_counter() - t1)))
+        self._window[0] += time.perf_counter() - t1 + self.quorum_s  # discarded attempts count: goodput
+        self._window[1] += stepped is not None
+        self.watchdog.end()
+        if stepped is not None:
+            self._skipped = 0 if stepped else self._skipped + 1
+        return step, loss, gn, lr, stepped, members
+
+    def _replica_stats(self, members: int) -> dict:
+        """The metrics row's fault-tolerance fields (metrics.jsonl and the log line)."""
+        row = {"replicas": members, "replica_rank": self.manager.participating_rank(),
+               "steps_discarded": self.discarded, "quorum_s": self.quorum_s}
+        if self.heal is not None:
+            row.update(heal_from=self.heal["source"], heal_mib=self.heal["bytes"] / 2 ** 20, heal_s=self.quorum_s)
+        if self.cfg.fault_tolerance.log_weights_hash:
+            row["weights_hash"] = weights_digest(self.model)
+        return row
