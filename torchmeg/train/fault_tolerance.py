@@ -50,7 +50,8 @@ from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill
 from torchmeg.observe.profiling import StepProfiler
 from torchmeg.train.optim import build_lr_scheduler
-from torchmeg.train.replica_groups import assign_local, average_across_groups, job_id, local, step_batches, weights_digest
+from torchmeg.train.replica_groups import (assign_local, average_across_groups, job_id, local, process_started_at,
+                                           step_batches, weights_digest)
 from torchmeg.train.trainer import Trainer
 
 class FaultTolerantTrainer(Trainer):
@@ -70,7 +71,9 @@ class FaultTolerantTrainer(Trainer):
         self.discarded, self.heal, self._signal_in_backward, self._injected = 0, None, None, False
         self._errored = False
         self._started = False
+        self._times = {"init": time.time(), "process": process_started_at()}  # (a rejoin's split, in the heal line)
         super().__init__(cfg, layout)
+        self._times["built"] = time.time()
 
     # ---- set-up: the manager replaces the data loader -------------------------------------------
     def _build_loader(self) -> None:
@@ -296,7 +299,7 @@ class FaultTolerantTrainer(Trainer):
             h = self.heal
             print(f"healed     from replica group {h['source']} at step {h['step']}: {h['bytes'] / 2**20:,.1f} MiB on "
                   f"rank 0, quorum + transfer {self.quorum_s:.2f} s (applied in {h['apply_s']:.2f} s); no checkpoint "
-                  f"read", flush=True)
+                  f"read" + self._rejoin_split(), flush=True)
         members, member = self.manager.num_participants(), self.manager.participating_rank()
         self.timeouts.steady(self.watchdog.limit_for("step"))
         self.watchdog.begin(f"step {step}")
@@ -318,6 +321,15 @@ class FaultTolerantTrainer(Trainer):
         if stepped is not None:
             self._skipped = 0 if stepped else self._skipped + 1
         return step, loss, gn, lr, stepped, members
+
+    def _rejoin_split(self) -> str:
+        """On this process's first step: where its time went since the interpreter started."""
+        t = self._times
+        if t.pop("reported", False) or t["process"] is None:
+            return ""
+        t["reported"] = True
+        return (f"; this process: imports {t['init'] - t['process']:.1f} s, build {t['built'] - t['init']:.1f} s, "
+                f"quorum + transfer {self.quorum_s:.2f} s")
 
     def _replica_stats(self, members: int) -> dict:
         """The metrics row's fault-tolerance fields (metrics.jsonl and the log line)."""

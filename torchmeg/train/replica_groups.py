@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,18 @@ BUCKET_ELEMENTS = 1 << 26  # cross-group all-reduce buffers of at most 64M eleme
 def job_id() -> str:
     """The job these groups belong to: torchmeg.replicas sets TORCHMEG_FT_JOB_ID; a Slurm job has its id."""
     return os.environ.get("TORCHMEG_FT_JOB_ID") or os.environ.get("SLURM_JOB_ID", "")
+
+
+def process_started_at() -> float | None:
+    """When this process started (epoch seconds, to 10 ms), from /proc (Linux); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, in clock ticks since boot
+        with open("/proc/uptime") as fh:
+            uptime = float(fh.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
