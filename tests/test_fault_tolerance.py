@@ -25,6 +25,7 @@ ARGS = [a for a in TINY if not a.startswith(("--validation.", "--training.local_
     "--validation.enable=false", "--training.local_batch_size=2", "--training.deterministic=true",
     "--checkpoint.enable=false", "--fault_tolerance.log_weights_hash=true"]
 HSDP = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2"]
+TP2 = ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1"]
 
 
 def replicas(tmp_path, args, env=None, timeout=150, extra=(), during=None):
@@ -206,7 +207,8 @@ def test_a_hung_group_costs_the_survivor_the_group_timeout_not_a_watchdog_exit(t
 def test_the_slurm_script_runs_one_group_per_node(tmp_path):
     """tools/slurm/replicas.sbatch as Slurm would run it on two nodes (stand-ins for `scontrol`: two
     loopback hosts, and `srun`: its command once per node with SLURM_NODEID): the lighthouse, then two
-    replica groups of 2 ranks that train every step together."""
+    replica groups of 2 ranks that train every step together. Each group is TP 2 here (the other tests'
+    are FSDP2): the steps equal a plain run of data parallel 2 x TP 2."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "scontrol").write_text("#!/bin/bash\nprintf '127.0.0.1\\n127.0.0.1\\n'\n")
@@ -220,10 +222,14 @@ def test_the_slurm_script_runs_one_group_per_node(tmp_path):
                SLURM_JOB_ID=str(port), TORCHMEG_RDZV_PORT=str(port), TORCHMEG_LIGHTHOUSE_PORT=str(free_port()),
                TORCHMEG_NPROC_PER_NODE="2", PYTHONUNBUFFERED="1", PYTHON=sys.executable)
     p = subprocess.run(["bash", "tools/slurm/replicas.sbatch", "recipes/debug_llama.toml", f"--job.dump_folder={tmp_path}",
-                        "--job.name=run", *ARGS, "--training.steps=4"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=150)
+                        "--job.name=run", *ARGS, *TP2, "--training.steps=4"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     g0, g1 = rows(tmp_path, 0), rows(tmp_path, 1)
     assert [r["step"] for r in g0] == [r["step"] for r in g1] == [1, 2, 3, 4]
     assert all(r["replicas"] == 2 for r in g0 + g1)
     assert [r["weights_hash"] for r in g0] == [r["weights_hash"] for r in g1]
+    ref = tmp_path / "dp2_tp2"
+    run_cli(ARGS + TP2 + ["--parallelism.data_parallel_replicate_degree=2", "--training.steps=4",
+                          "--fault_tolerance.log_weights_hash=false"], ref, nproc=4)
+    assert_parity(read_metrics(ref), g0, keys=("loss", "grad_norm"))
