@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import signal
 import time
@@ -94,6 +95,9 @@ class FaultTolerantTrainer(Trainer):
             lighthouse_addr=ft.lighthouse or None,
             init_sync=False)  # every group initialises alike from (seed, FQN); a late one is healed anyway
         self.manager.register_state_dict_fn("torchmeg", self.load_heal_state, self.heal_state)
+        if ft.process_group == "gloo":  # torchft warns at every reconfiguration that NCCL's flight recorder
+            logging.getLogger("torchft.manager").addFilter(  # was not reset: true and beside the point on gloo
+                lambda record: "flight recorder" not in record.getMessage())
         self.manager.load_state_dict({"step": self.state.step,
                                       "batches_committed": self.state.next_sample() // self.layout.global_batch})
         self.loader = None
