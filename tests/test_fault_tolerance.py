@@ -74,6 +74,7 @@ def test_recipe_errors_name_the_key():
         "parallelism.data_parallel_replicate_degree = 2": ["--parallelism.data_parallel_replicate_degree=2"],
         "checkpoint.folder = '/tmp/ck'": ["--checkpoint.folder=/tmp/ck"],
         "fault_tolerance.process_group_timeout_ms = 200000": ["--fault_tolerance.process_group_timeout_ms=200000"],
+        "fault_tolerance.quorum_timeout_s = 2000": ["--fault_tolerance.quorum_timeout_s=2000"],
     }
     for want, extra in cases.items():
         with pytest.raises(ConfigError) as e:

@@ -148,6 +148,11 @@ def _check_fault_tolerance(cfg: Config) -> None:
         raise ConfigError(f"fault_tolerance.process_group_timeout_ms = {ft.process_group_timeout_ms}: must be under "
                           f"training.watchdog_min_s = {t.watchdog_min_s:g} s (a dead peer must cost a discarded "
                           f"step, not a watchdog exit); lower it or raise watchdog_min_s")
+    if t.watchdog_factor > 0 and 2 * ft.quorum_timeout_s >= t.watchdog_startup_s:
+        raise ConfigError(f"fault_tolerance.quorum_timeout_s = {ft.quorum_timeout_s:g}: twice it must be under "
+                          f"training.watchdog_startup_s = {t.watchdog_startup_s:g} (the watchdog's limit while a step "
+                          f"waits for its quorum: a group's first step waits up to it for every group, then for the "
+                          f"quorum itself); lower it or raise watchdog_startup_s")
 
 
 def check_recipe(cfg: Config) -> None:
