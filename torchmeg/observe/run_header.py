@@ -160,3 +160,12 @@ def _node_lines(dims) -> list[str]:
     if n_nodes == 1:
         return []
     return [f"nodes      {n_nodes} x {per_node} ranks: {dims.node_split(per_node)}"]
+
+
+def start_lines(trainer, extra: tuple = ()) -> list[str]:
+    """What rank 0 prints as a run starts: the header, `extra` lines after it, and where a resumed run
+    resumed from (the checkpoint and its notes)."""
+    lines = header_lines(trainer) + list(extra)
+    if trainer.start_step:
+        lines += [f"resumed   from step {trainer.start_step} ({trainer.ckpt.loaded_from})"] + trainer.ckpt.notes
+    return lines

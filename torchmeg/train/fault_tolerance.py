@@ -48,9 +48,9 @@ from torch.profiler import record_function
 from torchmeg.config.errors import ConfigError
 from torchmeg.config.extras import need
 from torchmeg.observe.metrics import MetricsLogger
-from torchmeg.observe.run_header import header_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill
 from torchmeg.observe.profiling import StepProfiler
+from torchmeg.observe.run_header import start_lines
 from torchmeg.parallel.float8 import precompute_scales
 from torchmeg.train.optim import build_lr_scheduler
 from torchmeg.train.replica_groups import (assign_local, average_across_groups, job_id, local, process_started_at,
@@ -132,8 +132,8 @@ class FaultTolerantTrainer(Trainer):
                 optim[str(i)] = {k: local(v.detach()) if torch.is_tensor(v) else v for k, v in st.items()}
         s = self.state
         return {"model": model, "optim": optim,
-                "train": {"source": self.cfg.fault_tolerance.replica_id, "step": s.step, "sample_offset": s.sample_offset, "spike": s.spike.state(),
-                          "rng_cpu": torch.get_rng_state()}}
+                "train": {"source": self.cfg.fault_tolerance.replica_id, "step": s.step,
+                          "sample_offset": s.sample_offset, "spike": s.spike.state(), "rng_cpu": torch.get_rng_state()}}
 
     def load_heal_state(self, sd: dict) -> None:
         """Apply a peer's heal_state(): weights, optimizer state, TrainState; the LR schedule follows the step."""
@@ -208,13 +208,10 @@ class FaultTolerantTrainer(Trainer):
     def run(self) -> int:
         cfg, ft = self.cfg, self.cfg.fault_tolerance
         if self.rank == 0:
-            print("\n".join(header_lines(self)), flush=True)
-            print(f"replicas   group {ft.replica_id} of {ft.group_size} (torchft {ft.process_group}; a step commits with "
-                  f"at least {ft.min_replica_size}; cross-group timeout {ft.process_group_timeout_ms} ms, quorum "
-                  f"{ft.quorum_timeout_s:g} s); outputs in {cfg.run_dir}", flush=True)
-            if self.start_step:
-                print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes),
-                      flush=True)
+            print("\n".join(start_lines(self, (
+                f"replicas   group {ft.replica_id} of {ft.group_size} (torchft {ft.process_group}; a step commits with "
+                f"at least {ft.min_replica_size}; cross-group timeout {ft.process_group_timeout_ms} ms, quorum "
+                f"{ft.quorum_timeout_s:g} s); outputs in {cfg.run_dir}",))), flush=True)
         stop = StopFlag()
         self.timeouts = CollectiveTimeouts(cfg, keep_long=[self.ckpt.async_group] if self.ckpt else [])
         self._window, self._skipped = [0.0, 0], 0

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchmeg.data.dataset import StepSampler
+
 BUCKET_ELEMENTS = 1 << 26  # cross-group all-reduce buffers of at most 64M elements (256 MiB in fp32)
 
 
@@ -43,16 +45,12 @@ def assign_local(target: torch.Tensor, value: torch.Tensor) -> None:
 def step_batches(dataset, local_batch: int, dp: int, dp_rank: int, accum: int, cursor: int, participants: int,
                  participant: int) -> list:
     """This rank's microbatches of a step that `participants` groups take part in, from global sample
-    `cursor` on: the group with participating rank p reads the p-th group batch as StepSampler lays a
-    global batch out, as if the groups were one data-parallel dimension outside the group's own (so with
+    `cursor` on: StepSampler's layout of one global batch with the groups as a data-parallel dimension
+    outside the group's own, the group with participating rank p reading the p-th group batch (so with
     every group taking part, every step reads what a plain HSDP run of groups x dp reads)."""
     collate = getattr(dataset, "collate", None) or torch.utils.data.default_collate
-    dp_all, r = participants * dp, participant * dp + dp_rank
-    out = []
-    for m in range(accum):
-        base = cursor + m * local_batch * dp_all + r * local_batch
-        out.append(collate([dataset[i] for i in range(base, base + local_batch)]))
-    return out
+    idx = list(StepSampler(local_batch, participants * dp, participant * dp + dp_rank, accum, 0, 1, cursor))
+    return [collate([dataset[i] for i in idx[m * local_batch:(m + 1) * local_batch]]) for m in range(accum)]
 
 
 def average_across_groups(manager, tensors: list[torch.Tensor]) -> None:

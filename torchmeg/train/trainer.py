@@ -39,7 +39,7 @@ from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.observe.peak import peak_flops, repair_peak
 from torchmeg.observe.profiling import StepProfiler
-from torchmeg.observe.run_header import header_lines
+from torchmeg.observe.run_header import start_lines
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill, inject_nan, inject_node_loss, inject_spike
 from torchmeg.train.router_stats import router_modules, step_router_stats
 from torchmeg.train.spike import SpikeGuard, batch_samples
@@ -265,10 +265,7 @@ class Trainer:
     def run(self) -> int:
         cfg = self.cfg
         if self.rank == 0:
-            print("\n".join(header_lines(self)), flush=True)
-            if self.start_step:
-                print("\n".join([f"resumed   from step {self.start_step} ({self.ckpt.loaded_from})"] + self.ckpt.notes),
-                      flush=True)
+            print("\n".join(start_lines(self)), flush=True)
         stop, it = StopFlag(), iter(self.loader)
         self.timeouts = CollectiveTimeouts(cfg, keep_long=[self.ckpt.async_group] if self.ckpt else [])
         self._window, self._skipped = [0.0, 0], 0  # (seconds, steps) since the last logged step
