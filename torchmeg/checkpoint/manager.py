@@ -89,8 +89,9 @@ class CheckpointManager:
     `layout` describes the layout that saves and `tokenizer` names the tokenizer the model was
     trained with (its fingerprint); both are recorded in torchmeg.json."""
 
-    def __init__(self, cfg, model, optimizer, state, layout: str, tokenizer: str = ""):
+    def __init__(self, cfg, model, optimizer, state, layout: str, tokenizer: str = "", extra: dict | None = None):
         self.cfg, self.c = cfg, cfg.checkpoint
+        self.extra = extra or {}  # more Statefuls saved and loaded with the rest (DiLoCo's outer momentum)
         self.model, self.optimizer, self.state, self.layout = model, optimizer, state, layout
         self.tokenizer = tokenizer
         self.folder = resolve_folder(cfg)
@@ -144,7 +145,7 @@ class CheckpointManager:
         if model_only:
             return {"model": ModelState(self.model)}
         return {"model": ModelState(self.model), "optimizer": OptimizerState(self.model, self.optimizer, loading),
-                "train": self.state}
+                "train": self.state, **self.extra}
 
     # ---- load --------------------------------------------------------------------------------
     def load_latest(self) -> int | None:

@@ -129,9 +129,6 @@ def _check_fault_tolerance(cfg: Config) -> None:
     if ft.min_replica_size > ft.group_size:
         raise ConfigError(f"fault_tolerance.min_replica_size = {ft.min_replica_size}: more than the "
                           f"{ft.group_size} groups (fault_tolerance.group_size); no step could ever commit")
-    if ft.semi_sync_method != "none":
-        raise ConfigError(f"fault_tolerance.semi_sync_method = {ft.semi_sync_method!r}: not built yet; \"none\" "
-                          f"(gradients all-reduced across groups every step) is")
     if cfg.training.objective not in ("pretrain", "sft"):
         raise ConfigError(f"fault_tolerance.enable with training.objective = {cfg.training.objective!r}: only "
                           f"pretrain and sft read their data by position; train {cfg.training.objective} without "

@@ -349,9 +349,15 @@ class FaultTolerance:
                                                       "restarting, stragglers) before the run fails")
     lighthouse: str = _f("", help="the lighthouse's address (http://host:port); '' = $TORCHFT_LIGHTHOUSE")
     semi_sync_method: str = _f("none", choices=["none", "local_sgd", "diloco"],
-                               help="none: every step all-reduces gradients across groups; local_sgd / diloco: "
-                                    "not built yet (validation says so)")
-    sync_steps: int = _f(1, lo=1, help="semi-synchronous methods: inner steps between syncs")
+                               help="none: every step all-reduces gradients across groups; diloco: each group "
+                                    "trains sync_steps inner steps alone, then an outer SGD steps the global weights "
+                                    "with the groups' mean pseudo-gradient; local_sgd: the groups' weights averaged "
+                                    "every sync_steps (torchmeg/train/semi_sync.py)")
+    sync_steps: int = _f(1, lo=1, help="semi-synchronous methods: inner steps between syncs (a round); the quorum is "
+                                       "taken, and a late group healed, at each round's start")
+    outer_lr: float = _f(0.7, lo=0.0, help="diloco: the outer SGD's learning rate (DiLoCo's 0.7)")
+    outer_momentum: float = _f(0.9, lo=0.0, hi=0.999, help="diloco: the outer SGD's Nesterov momentum (DiLoCo's 0.9; "
+                                                           "0 = plain SGD)")
     log_weights_hash: bool = _f(False, help="each logged step carries weights_hash, a digest of the weights after "
                                             "the update: equal in every group while they agree (hashes every "
                                             "parameter byte: for checks, not for big runs)")

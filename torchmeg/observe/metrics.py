@@ -158,6 +158,8 @@ def format_line(r: dict) -> str:
         s += f" | margin {r['dpo_margin']:.3f} | acc {r['dpo_accuracy']:.2f}"
     if "replicas" in r:  # fault tolerance: the groups this step, discarded steps so far, a heal
         s += f" | replicas {r['replicas']}" + (f" | discarded {r['steps_discarded']}" if r["steps_discarded"] else "")
+        if "sync_s" in r:  # semi-synchronous: the round's sync (pseudo-gradient all-reduce, outer step)
+            s += f" | synced ({r['sync_s']:.2f} s)"
         if "heal_from" in r:
             s += f" | healed from group {r['heal_from']} ({r['heal_mib']:.1f} MiB, {r['heal_s']:.2f} s)"
     if "val_loss" in r:

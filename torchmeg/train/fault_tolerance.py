@@ -12,7 +12,7 @@ torchft's model (torchtitan's experiments/torchft for shape), on the trainer as 
   whose cross-group all-reduce failed (a peer died mid-step) is discarded and retried with the groups
   that are left.
 * A group that starts late or restarts is healed from a live peer by torchft's checkpoint transport
-  (HTTP, rank r from rank r): this module's `heal_state` / `load_heal_state` give it the local weight
+  (HTTP, rank r from rank r): torchmeg.train.heal's `heal_state` / `load_heal_state` give it the local weight
   shards, the optimizer state, and the TrainState (step, data position, loss-spike history, RNG); the LR
   schedule is rebuilt from the step. No checkpoint is read.
 * Data: a committed step with P groups taking part trains P group batches from the data cursor, the
@@ -21,6 +21,8 @@ torchft's model (torchtitan's experiments/torchft for shape), on the trainer as 
   retaken by the next step, so the committed history trains every batch once, in order, whatever the
   membership. (torchft.data.DistributedSampler instead fixes each group's shard by its replica id: a dead
   group's shard is skipped while it is down, and the membership does not enter the position at all.)
+* semi_sync_method = diloco | local_sgd: the same groups in rounds of sync_steps inner steps with one
+  quorum and one commit per round, the groups syncing their weights at its end (torchmeg.train.semi_sync).
 * Checkpoints: each group writes under its own <run>/replica_<id>/, and only the group with participating
   rank 0 saves (the atomic commit as without fault tolerance). A restart of every group loads each its
   newest; the quorum then heals any group that is behind from the one with the highest step.
@@ -51,10 +53,10 @@ from torchmeg.observe.metrics import MetricsLogger
 from torchmeg.runtime.process import CollectiveTimeouts, StopFlag, inject_kill
 from torchmeg.observe.profiling import StepProfiler
 from torchmeg.observe.run_header import start_lines
-from torchmeg.parallel.float8 import precompute_scales
-from torchmeg.train.optim import build_lr_scheduler
-from torchmeg.train.replica_groups import (assign_local, average_across_groups, job_id, local, process_started_at,
+from torchmeg.train.heal import heal_state, load_heal_state
+from torchmeg.train.replica_groups import (average_across_groups, job_id, local, process_started_at,
                                            step_batches, weights_digest)
+from torchmeg.train.semi_sync import OUTER, RoundState, outer_hparams, train_round
 from torchmeg.train.trainer import Trainer
 
 class FaultTolerantTrainer(Trainer):
@@ -74,11 +76,23 @@ class FaultTolerantTrainer(Trainer):
         self.discarded, self.heal, self._signal_in_backward, self._injected = 0, None, None, False
         self._errored = False
         self._started = False
+        self.rounds = None  # semi_sync_method != none: the outer state (RoundState), made before the checkpoint load
         self._times = {"init": time.time(), "process": process_started_at()}  # (a rejoin's split, in the heal line)
         super().__init__(cfg, layout)
         self._times["built"] = time.time()
 
     # ---- set-up: the manager replaces the data loader -------------------------------------------
+    def checkpoint_extras(self) -> dict:  # DiLoCo's outer momentum travels with the checkpoint
+        return {"outer": self.rounds} if self.rounds is not None and self.rounds.momentum else {}
+
+    def _resume(self) -> None:
+        ft = self.cfg.fault_tolerance
+        if ft.semi_sync_method != "none":
+            self.rounds = RoundState(self.model, self.optimizer, *outer_hparams(ft))
+        super()._resume()
+        if self.rounds is not None:  # the first round starts from the weights loaded (or initialised)
+            self.rounds.reset_from_model()
+
     def _build_loader(self) -> None:
         import torchft  # lazy: the ft extra (checked in __init__)
 
@@ -94,11 +108,11 @@ class FaultTolerantTrainer(Trainer):
             rank=self.rank, world_size=self.world, replica_id=f"replica_{ft.replica_id}",
             lighthouse_addr=ft.lighthouse or None,
             init_sync=False)  # every group initialises alike from (seed, FQN); a late one is healed anyway
-        self.manager.register_state_dict_fn("torchmeg", self.load_heal_state, self.heal_state)
+        self.manager.register_state_dict_fn("torchmeg", lambda sd: load_heal_state(self, sd), lambda: heal_state(self))
         if ft.process_group == "gloo":  # torchft warns at every reconfiguration that NCCL's flight recorder
             logging.getLogger("torchft.manager").addFilter(  # was not reset: true and beside the point on gloo
                 lambda record: "flight recorder" not in record.getMessage())
-        self.manager.load_state_dict({"step": self.state.step,
+        self.manager.load_state_dict({"step": self.state.step // (ft.sync_steps if self.rounds else 1),
                                       "batches_committed": self.state.next_sample() // self.layout.global_batch})
         self.loader = None
         inner = self.step_fn.loss_fn
@@ -117,64 +131,6 @@ class FaultTolerantTrainer(Trainer):
               f"{signal.Signals(sig).name} to itself in step {self.state.step + 1}'s backward", flush=True)
         os.kill(os.getpid(), sig)
 
-    # ---- what a healing peer receives --------------------------------------------------------------
-    def _optimizer_params(self) -> list:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    def heal_state(self) -> dict:
-        """This rank's local shards of the weights and optimizer state, and the TrainState: what rank r
-        of a group that is behind needs from rank r here (the same layout gives it the same shards)."""
-        with torch.no_grad():
-            model = {n: local(p.detach()) for n, p in self.model.named_parameters()}
-            optim = {}
-            for i, p in enumerate(self._optimizer_params()):
-                st = self.optimizer.state.get(p, {})
-                optim[str(i)] = {k: local(v.detach()) if torch.is_tensor(v) else v for k, v in st.items()}
-        s = self.state
-        return {"model": model, "optim": optim,
-                "train": {"source": self.cfg.fault_tolerance.replica_id, "step": s.step,
-                          "sample_offset": s.sample_offset, "spike": s.spike.state(), "rng_cpu": torch.get_rng_state()}}
-
-    def load_heal_state(self, sd: dict) -> None:
-        """Apply a peer's heal_state(): weights, optimizer state, TrainState; the LR schedule follows the step."""
-        t0 = time.perf_counter()
-        nbytes = 0
-        params = dict(self.model.named_parameters())
-        for n, v in sd["model"].items():
-            assign_local(params[n], v)
-            nbytes += v.numel() * v.element_size()
-        if not self.optimizer.state:  # a fresh group: make the state there is to copy into
-            self._init_optimizer_state()
-        for i, p in enumerate(self._optimizer_params()):
-            for k, v in sd["optim"].get(str(i), {}).items():
-                st = self.optimizer.state[p]
-                if torch.is_tensor(v):
-                    assign_local(st[k], v)
-                    nbytes += v.numel() * v.element_size()
-                else:
-                    st[k] = v
-        tr = sd["train"]
-        self.state.step, self.state.sample_offset = tr["step"], tr["sample_offset"]
-        self.state.spike.load(tr["spike"])
-        torch.set_rng_state(tr["rng_cpu"])
-        self.scheduler = build_lr_scheduler(self.optimizer, self.cfg, self.state.step)
-        if self.float8_precompute:  # float8 all-gathered by FSDP: the scales of the weights just received
-            precompute_scales(self.model)
-        self.heal = {"source": tr["source"], "step": tr["step"], "bytes": nbytes, "apply_s": time.perf_counter() - t0}
-
-    def _init_optimizer_state(self) -> None:
-        """Every parameter's optimizer state made by one step at learning rate 0 on zero gradients (no
-        update: AdamW's decoupled decay is lr x wd), so a healed group copies into it."""
-        saved = [g["lr"] for g in self.optimizer.param_groups]
-        for g in self.optimizer.param_groups:
-            g["lr"] = 0.0
-        for p in self._optimizer_params():
-            p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for g, lr in zip(self.optimizer.param_groups, saved):
-            g["lr"] = lr
-
     # ---- one step ----------------------------------------------------------------------------------
     def _forward_backward(self, batches) -> torch.Tensor:
         for var, sig in (("TORCHMEG_TEST_FT_KILL", signal.SIGKILL), ("TORCHMEG_TEST_FT_STOP", signal.SIGSTOP)):
@@ -183,6 +139,8 @@ class FaultTolerantTrainer(Trainer):
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and not self._injected):
                 self._injected, self._signal_in_backward = True, sig
         loss_sum = super()._forward_backward(batches)
+        if self.rounds:  # an inner step: nothing crosses groups
+            return loss_sum
         with record_function("torchmeg: all-reduce across replica groups"):
             if os.environ.get("TORCHMEG_TEST_FT_ERROR_AT_STEP") == str(self.state.step + 1) and not self._errored:
                 self._errored = True  # (the first attempt only: the retry goes through)
@@ -195,7 +153,10 @@ class FaultTolerantTrainer(Trainer):
     def train_step(self, batches):
         """The plain step, but its update happens only if the quorum commits it: -> (loss, grad_norm,
         stepped), stepped None when the step was discarded (nothing changed; the same step is retried).
-        (compile.verify_cache's eager first step is the plain trainer's: not run here.)"""
+        (compile.verify_cache's eager first step is the plain trainer's: not run here.) A round's inner
+        step is the plain trainer's."""
+        if self.rounds:
+            return super().train_step(batches)
         loss_val, gn = self.loss_and_norm(self._forward_backward(batches))
         with record_function("torchmeg: should_commit"):
             commit = self.manager.should_commit()
@@ -208,9 +169,11 @@ class FaultTolerantTrainer(Trainer):
     def run(self) -> int:
         cfg, ft = self.cfg, self.cfg.fault_tolerance
         if self.rank == 0:
+            how = ("gradients all-reduced every step" if not self.rounds else
+                   f"{OUTER[ft.semi_sync_method]}, a sync every {ft.sync_steps} steps")
             print("\n".join(start_lines(self, (
-                f"replicas   group {ft.replica_id} of {ft.group_size} (torchft {ft.process_group}; a step commits with "
-                f"at least {ft.min_replica_size}; cross-group timeout {ft.process_group_timeout_ms} ms, quorum "
+                f"replicas   group {ft.replica_id} of {ft.group_size} (torchft {ft.process_group}, {how}; a step commits "
+                f"with at least {ft.min_replica_size}; cross-group timeout {ft.process_group_timeout_ms} ms, quorum "
                 f"{ft.quorum_timeout_s:g} s); outputs in {cfg.run_dir}",))), flush=True)
         stop = StopFlag()
         self.timeouts = CollectiveTimeouts(cfg, keep_long=[self.ckpt.async_group] if self.ckpt else [])
@@ -219,35 +182,10 @@ class FaultTolerantTrainer(Trainer):
         while self.state.step < cfg.training.steps:
             if self._finished_without_us():
                 break
-            step, loss, gn, lr, stepped, members = self._replica_step()
-            if stepped is None:  # discarded: nothing advanced; the same step is tried again
-                self.discarded += 1
-                why = self.manager.errored()
-                digest = weights_digest(self.model) if ft.log_weights_hash else None
-                if self.rank == 0:
-                    print(f"step {step:>5} | discarded ({why.original_exception if why else 'not enough replicas'}"
-                          f") | replicas {members} | {self.discarded} discarded so far | lr {self.optimizer.param_groups[0]['lr']:.6e}"
-                          + (f" | weights_hash {digest}" if digest else ""), flush=True)
-                continue
-            profiler.step(step)
-            with record_function("torchmeg: validate, log, save"):
-                val = self._maybe_validate(step)
-                self.objective_stats = self._replica_stats(members)
-                if (step % cfg.metrics.log_freq == 0 or step in (1, cfg.training.steps) or val is not None
-                        or not stepped or self.spike_note or self.heal is not None):
-                    self._log(step, loss, gn, lr, val, stepped)
-                self._check_skips(step, stepped)
-                self.state.step = step
-                # the data cursor: this step trained `members` group batches
-                self.state.sample_offset += (members - 1) * self.layout.global_batch
-                self._poll_save(step)
-                preempted = stop.agreed()
-                if self.manager.participating_rank() == 0:  # one group writes
-                    self._maybe_save(step, step == cfg.training.steps or preempted, preempted)
-            inject_kill(step, self.rank)
+            preempted = train_round(self, stop, profiler) if self.rounds else self._one_step(stop, profiler)
             if preempted:
                 if self.rank == 0:
-                    print(f"SIGTERM: stopped after step {step}", flush=True)
+                    print(f"SIGTERM: stopped after step {self.state.step}", flush=True)
                 break
         profiler.close()
         self._finish()
@@ -256,6 +194,53 @@ class FaultTolerantTrainer(Trainer):
                 json.dump({"job": job_id(), "step": self.state.step, "replica": ft.replica_id}, fh)
         self.manager.shutdown(wait=False)
         return 0
+
+    def _one_step(self, stop, profiler) -> bool:
+        """A synchronous step: quorum, the step, commit or discard. -> preempted."""
+        members, member = self.quorum()
+        step, loss, gn, lr, stepped = self.timed_replica_step(members, member)
+        if stepped is None:  # discarded: nothing advanced; the same step is tried again
+            self.report_discard(step, step, members, 1)
+            return False
+        self.after_step(step, loss, gn, lr, stepped, members, profiler)
+        return self.end_unit(step, stop)
+
+    def after_step(self, step, loss, gn, lr, stepped, members, profiler, inner=False, force_log=False) -> None:
+        """What follows a step the group keeps: validation, the log line, the step counter, the data cursor
+        (this step trained `members` group batches). A round's inner step validates nothing (the round
+        does, after its sync) and the round's last step is always logged."""
+        cfg = self.cfg
+        profiler.step(step)
+        with record_function("torchmeg: validate, log"):
+            val = None if inner else self._maybe_validate(step)
+            self.objective_stats = self._replica_stats(members)
+            if (step % cfg.metrics.log_freq == 0 or step in (1, cfg.training.steps) or val is not None or force_log
+                    or not stepped or self.spike_note or self.heal is not None):
+                self._log(step, loss, gn, lr, val, stepped)
+            self._check_skips(step, stepped)
+            self.state.step = step
+            self.state.sample_offset += (members - 1) * self.layout.global_batch
+
+    def end_unit(self, step: int, stop, save_due: bool = False) -> bool:
+        """After a committed step (or round: `save_due` when a multiple of checkpoint.interval fell in it): the
+        save (one group writes), the preemption check. -> preempted."""
+        with record_function("torchmeg: save"):
+            self._poll_save(step)
+            preempted = stop.agreed()
+            if self.manager.participating_rank() == 0:
+                self._maybe_save(step, step == self.cfg.training.steps or preempted, preempted or save_due)
+        inject_kill(step, self.rank)
+        return preempted
+
+    def report_discard(self, first: int, last: int, members: int, n: int) -> None:
+        self.discarded += n
+        why = self.manager.errored()
+        digest = weights_digest(self.model) if self.cfg.fault_tolerance.log_weights_hash else None
+        if self.rank == 0:
+            where = f"step {first:>5}" if first == last else f"steps {first}-{last}"
+            print(f"{where} | discarded ({why.original_exception if why else 'not enough replicas'}"
+                  f") | replicas {members} | {self.discarded} discarded so far | lr {self.optimizer.param_groups[0]['lr']:.6e}"
+                  + (f" | weights_hash {digest}" if digest else ""), flush=True)
 
     def _marker_path(self) -> str:
         return os.path.join(os.path.dirname(self.cfg.run_dir), "finished.json")
@@ -278,9 +263,9 @@ class FaultTolerantTrainer(Trainer):
                   f"was down; nothing left to train ({self._marker_path()})", flush=True)
         return True
 
-    def _replica_step(self):
-        """Quorum (healing this group if it is behind), this rank's batches for the membership, the step.
-        -> (step, loss, grad_norm, lr, stepped or None when discarded, groups taking part)."""
+    def quorum(self) -> tuple[int, int]:
+        """The lighthouse's quorum (healing this group if it is behind). -> (groups taking part, this
+        group's participating rank)."""
         self.heal = None
         self.watchdog.begin(f"quorum before step {self.state.step + 1}")  # (the long limit: a peer may be restarting)
         t0 = time.perf_counter()
@@ -299,13 +284,17 @@ class FaultTolerantTrainer(Trainer):
         self.watchdog.end()
         if self.logger is None:  # rows past the step this group goes on from were rolled back: dropped
             self.logger = MetricsLogger(self.cfg, self.rank, resume_step=self.state.step)
-        step = self.state.step + 1  # (after a heal: the peer's)
         if self.heal is not None and self.rank == 0:
             h = self.heal
             print(f"healed     from replica group {h['source']} at step {h['step']}: {h['bytes'] / 2**20:,.1f} MiB on "
                   f"rank 0, quorum + transfer {self.quorum_s:.2f} s (applied in {h['apply_s']:.2f} s); no checkpoint "
                   f"read" + self._rejoin_split(), flush=True)
-        members, member = self.manager.num_participants(), self.manager.participating_rank()
+        return self.manager.num_participants(), self.manager.participating_rank()
+
+    def timed_replica_step(self, members: int, member: int):
+        """This rank's batches for the membership, the step. -> (step, loss, grad_norm, lr, stepped or None
+        when discarded)."""
+        step = self.state.step + 1
         self.timeouts.steady(self.watchdog.limit_for("step"))
         self.watchdog.begin(f"step {step}")
         t1 = time.perf_counter()
@@ -325,7 +314,7 @@ class FaultTolerantTrainer(Trainer):
         self.watchdog.end()
         if stepped is not None:
             self._skipped = 0 if stepped else self._skipped + 1
-        return step, loss, gn, lr, stepped, members
+        return step, loss, gn, lr, stepped
 
     def _rejoin_split(self) -> str:
         """On this process's first step: where its time went since the interpreter started."""

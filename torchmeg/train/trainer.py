@@ -137,7 +137,7 @@ class Trainer:
         self.ckpt = None
         if cfg.checkpoint.enable:
             self.ckpt = CheckpointManager(cfg, self.model, self.optimizer, self.state, self.dims.describe(),
-                                          tokenizer=self.tokenizer.fingerprint())
+                                          tokenizer=self.tokenizer.fingerprint(), extra=self.checkpoint_extras())
             self.watchdog.begin("checkpoint load")
             self.ckpt.load_latest()
             self.watchdog.end()
@@ -150,6 +150,9 @@ class Trainer:
         if self.state.step == 0 and cfg.checkpoint.initial_load_hf:
             self.init_note = load_initial_hf(self.model, self.built.whole, cfg.checkpoint.initial_load_hf)
         self.start_step = self.state.step
+
+    def checkpoint_extras(self) -> dict:  # Statefuls a subclass checkpoints besides model, optimizer, TrainState
+        return {}
 
     def _build_loader(self) -> None:
         cfg, layout = self.cfg, self.layout
