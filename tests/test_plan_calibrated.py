@@ -55,14 +55,39 @@ def test_an_op_is_priced_from_the_measured_points_nearest_it():
     got = comm.comm_seconds({"dp_shard/all_gather": {"count": 2, "bytes": 2 * 2 ** 21},
                              "pp/all_to_all": {"count": 1, "bytes": 65536}})
     assert got["dp_shard/all_gather"] == pytest.approx(2 * 4e-3) and got["pp/all_to_all"] == pytest.approx(1e-3)
-    by = cal.compute_seconds([(0, 1e6, "add", "memory", 0)] * 3 + [(0, 0, None, "subclass", 0)], compiled=True)
+    by = cal.compute_seconds([(0, 1e6, "add", "memory", 0, 0)] * 3 + [(0, 0, None, "subclass", 0, 0)], compiled=True)
     assert by["memory"] == 0.0 and by["dispatch"] == 0.0  # fused away: no traffic, no kernel to dispatch
     # a fused silu keeps its arithmetic (4x a copy's time at its bytes: 3e-4 beyond the copy) and moves its
     # fused bytes at a copy's rate
-    by = cal.compute_seconds([(0, 1e6, "silu", "memory", 5e5)], compiled=True)
+    by = cal.compute_seconds([(0, 1e6, "silu", "memory", 5e5, 0)], compiled=True)
     assert by["memory"] == pytest.approx(3e-4 + 5e-5) and by["dispatch"] == pytest.approx(1e-5)
-    by = cal.compute_seconds([(0, 1e6, "add", "memory", 1e6)] * 3, compiled=False)
+    by = cal.compute_seconds([(0, 1e6, "add", "memory", 1e6, 0)] * 3, compiled=False)
     assert by["dispatch"] == pytest.approx(3e-5) and cal.step_compute(by) == pytest.approx(3e-4 + 3e-5)
+
+
+def test_bytes_read_long_after_they_were_written_are_priced_at_drams_rate():
+    """torchmeg.plan.reuse: an op's input counts as cold when more than the cache's size of traffic went by
+    since it was last touched (or it was never touched in the trace); a calibration with the device's cache
+    size prices those bytes at its table's rate for the largest size measured, one without it prices every
+    op warm (as before it was recorded)."""
+    import torch
+    from torchmeg.plan.reuse import reuse_distances
+    from torchmeg.plan.step_cost import StepCost
+    a, big = torch.ones(2 ** 16), torch.ones(2 ** 20)  # 256 KiB, 4 MiB
+    for cache, want in ((2 ** 20, [2 ** 18, 0, 2 ** 22, 2 ** 18]), (0, [0, 0, 0, 0])):
+        with reuse_distances(cache), StepCost() as cost:
+            b = a * 2  # a: never touched in this trace (as optimizer state, read once a step): cold
+            c = b * 3  # b: written by the op before: warm
+            d = big * 2  # 8 MiB of traffic goes by (big: cold)
+            e = b * 4  # b: last touched 8.5 MiB ago, more than the 1 MiB cache: cold
+        del c, d, e
+        assert [op[5] for name, op in zip(cost.op_names, cost.ops) if name == "aten.mul"] == want, cache
+    mem = [[1e4, 1e4 / 1e10], [1e6, 1e6 / 1e10], [1e9, 1e9 / 1e9]]  # warm 10 GB/s; 1 GB/s at the largest size
+    warm = Calibration({**_table(1e11, 1e10), "memory": {"add": mem}})
+    cached = Calibration({**_table(1e11, 1e10), "memory": {"add": mem}, "cache_bytes": 2 ** 20})
+    op = (0, 1e6, "add", "memory", 1e6, 5e5)  # 1 MB moved, half of it read cold
+    assert warm.compute_seconds([op], compiled=False)["memory"] == pytest.approx(1e-4, rel=1e-9)
+    assert cached.compute_seconds([op], compiled=False)["memory"] == pytest.approx(1e-4 + 5e5 * (1e-9 - 1e-10), rel=1e-9)
 
 
 @pytest.mark.slow

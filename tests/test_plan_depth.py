@@ -28,7 +28,7 @@ def _additive_step(keep: list[str], kinds: dict[str, int], stage_of: dict[str, i
     """A synthetic measured step: per layer, costs by kind (FLOPs, a comm table, op tuples, held bytes);
     the first and last layer of each stage cost extra (position effects); a foreach op over every
     layer's gradients grows with the depth (one op whose bytes are the sum)."""
-    out = {"flops": 1000, "comm": {"dp/all_gather": {"count": 1, "bytes": 10, "ranks": 4}}, "ops": [(5, 7, "bf16", "matmul", 7)],
+    out = {"flops": 1000, "comm": {"dp/all_gather": {"count": 1, "bytes": 10, "ranks": 4}}, "ops": [(5, 7, "bf16", "matmul", 7, 0)],
            "per_stage": {}}
     grads = 0
     for key in keep:
@@ -37,12 +37,12 @@ def _additive_step(keep: list[str], kinds: dict[str, int], stage_of: dict[str, i
         c = out["comm"].setdefault(f"kind{k}/all_to_all", {"count": 0, "bytes": 0, "ranks": 8})
         c["count"] += 1
         c["bytes"] += 3 * (k + 1)
-        out["ops"] += [(2 * (k + 1), 4, "bf16", "matmul", 4), (0, 9 + k, None, "memory", 1)]
+        out["ops"] += [(2 * (k + 1), 4, "bf16", "matmul", 4, 0), (0, 9 + k, None, "memory", 1, 2 + k)]
         st = out["per_stage"].setdefault(s, {"act": 0, "kept": 0})
         st["act"] += 11 * (k + 2)
         st["kept"] += 5 + (3 if key in lasts else 0)
         grads += 13 * (k + 1)
-    out["ops"].append((0, grads, None, "memory", grads))
+    out["ops"].append((0, grads, None, "memory", grads, grads))
     return out
 
 
@@ -54,7 +54,8 @@ def _total(x):
     """Op multisets compared by what predict reads from them: FLOPs per (dtype, kind) op and bytes."""
     if isinstance(x, dict):
         return {k: (_total(v) if k != "ops" else (sorted(o for o in v if o[0]), sum(o[1] for o in v if not o[0]),
-                                                  sum(o[4] for o in v if not o[0]))) for k, v in x.items()}
+                                                  sum(o[4] for o in v if not o[0]),
+                                                  sum(o[5] for o in v if not o[0]))) for k, v in x.items()}
     return x
 
 
@@ -150,9 +151,10 @@ def test_an_op_with_flops_that_changes_with_the_depth_is_refused():
     """Only FLOP-free ops (time linear in bytes) may come out with a negative count; a matmul whose
     shape followed the depth would not scale, and the planner then traces every layer instead."""
     with pytest.raises(depth.NotLinear):
-        depth.combine_ops([[(10, 1, "bf16", "matmul", 1)], [(20, 2, "bf16", "matmul", 2)]], [-3, 4])
-    ops = depth.combine_ops([[(0, 10, None, "memory", 4)], [(0, 12, None, "memory", 5)]], [-3, 4])
+        depth.combine_ops([[(10, 1, "bf16", "matmul", 1, 0)], [(20, 2, "bf16", "matmul", 2, 0)]], [-3, 4])
+    ops = depth.combine_ops([[(0, 10, None, "memory", 4, 3)], [(0, 12, None, "memory", 5, 1)]], [-3, 4])
     assert sum(o[1] for o in ops) == -3 * 10 + 4 * 12 and sum(o[4] for o in ops) == -3 * 4 + 4 * 5
+    assert sum(o[5] for o in ops) == -3 * 3 + 4 * 1  # (the cold bytes too: torchmeg.plan.reuse)
 
 
 def _kinds(recipe: str, *args: str) -> list[int]:

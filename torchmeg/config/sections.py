@@ -257,6 +257,9 @@ class Plan:
     trace_cache: str = _f("", help="a folder where the dry run keeps each trace: a plan that traces the same program "
                                    "again (another GPU, async TP or compile on or off, a search after a plan) reads it "
                                    "instead (torchmeg.plan.trace_cache); '' = off")
+    cache_bytes: int = _f(0, lo=0, help="the last-level cache one rank of the device has: a memory-bound op's inputs "
+                                        "last touched more than this much traffic ago are priced at DRAM's rate "
+                                        "(torchmeg.plan.reuse); 0 = the calibration's (none: every op warm)")
 
 
 @dataclass

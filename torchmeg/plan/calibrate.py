@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchmeg.plan.reuse import device_cache_bytes
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.runtime.process import keep_freed_memory
 
@@ -342,6 +343,7 @@ def calibrate(device: torch.device, longest: float = LONGEST, budget: float = BU
            "taken": datetime.datetime.now().isoformat(timespec="seconds"),
            "host_serial": not cuda,  # CPU: the host runs each op's work itself; a GPU's host runs ahead
            "dispatch_s": dispatch(device),
+           "cache_bytes": device_cache_bytes(device, int(os.environ.get("LOCAL_WORLD_SIZE", 1))),  # (plan.reuse)
            "matmul": {str(d).replace("torch.", ""): matmuls(device, d, longest, budget) for d in dtypes},
            "attention": {str(d).replace("torch.", ""): attention(device, d, longest, budget) for d in dtypes},
            "memory": memory_ops(device, torch.float32, longest, budget)}

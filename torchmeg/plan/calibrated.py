@@ -79,6 +79,8 @@ class Calibration:
         # TP step's 90 small all-reduces pay it)
         self.collectives = {k: sorted(v) for k, v in data.get("collectives", {}).items() if k != "overlap"}
         self.overlap = data.get("collectives", {}).get("overlap", 1.0)
+        # the last-level cache one rank has (torchmeg.plan.reuse): 0 in a calibration from before it was recorded
+        self.cache_bytes = data.get("cache_bytes", 0)
 
     @classmethod
     def load(cls, path: str) -> "Calibration":
@@ -126,10 +128,21 @@ class Calibration:
             pts = self.matmul[_dtype(dtype, self.matmul)]
         return flops / math.exp(_idw(pts, x, k=2))  # (the two nearest: leave-one-shape-out error least)
 
+    def cold_seconds(self, cold: float, nbytes: float, dtype: str | None) -> float:
+        """What `cold` bytes of a memory-bound op add when they come from beyond the cache
+        (torchmeg.plan.reuse): priced at the op's table's rate for its largest size measured (streaming)
+        instead of at the rate for the op's own size (the cache's, below its size)."""
+        if not cold or not self.cache_bytes:
+            return 0.0
+        table = self.memory.get(_family(dtype), self.memory["add"])
+        far = math.exp(max(table)[1])
+        near = self.best_bandwidth() if nbytes <= 0 else nbytes / self.op_seconds(0, nbytes, dtype, "memory")
+        return cold * max(0.0, 1.0 / far - 1.0 / near)
+
     def compute_seconds(self, ops, compiled: bool) -> dict[str, float]:
         """Seconds per op class (matmul, attention, memory) and the host's (dispatch) for a rank's ops."""
         out = {"matmul": 0.0, "attention": 0.0, "memory": 0.0, "dispatch": 0.0}
-        for (flops, nbytes, dtype, kind, fused), n in Counter(ops).items():  # (each distinct op priced once)
+        for (flops, nbytes, dtype, kind, fused, cold), n in Counter(ops).items():  # (each distinct op priced once)
             if kind == "subclass":  # a tensor subclass's own host work (DTensor's sharding propagation)
                 out["dispatch"] += n * self.subclass_s
                 continue
@@ -138,9 +151,10 @@ class Calibration:
                 # fusion saves the traffic, not the arithmetic: the fused bytes at a copy's rate, plus what
                 # the op's own kind costs beyond a copy of its bytes (an exp's, a silu's)
                 own = self.op_seconds(0, nbytes, dtype, kind) - self.op_seconds(0, nbytes, "add", kind)
-                out[cls] += n * (self.op_seconds(0, fused, "add", kind) + max(0.0, own))
+                out[cls] += n * (self.op_seconds(0, fused, "add", kind) + max(0.0, own)
+                                 + self.cold_seconds(min(cold, fused), nbytes, dtype))  # (the kernel reads them)
             else:
-                out[cls] += n * self.op_seconds(flops, nbytes, dtype, kind)
+                out[cls] += n * (self.op_seconds(flops, nbytes, dtype, kind) + self.cold_seconds(cold, nbytes, dtype))
             if not (compiled and kind == "memory" and fused == 0) and nbytes > 0:
                 out["dispatch"] += n * self.dispatch_s
         return out

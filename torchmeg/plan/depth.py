@@ -244,7 +244,7 @@ def _comb(vals: list, coeffs: list[int], key):
 
 
 def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:
-    """Op multisets combined: each op tuple (flops, bytes, dtype, kind, fused bytes) counted
+    """Op multisets combined: each op tuple (flops, bytes, dtype, kind, fused bytes, cold bytes) counted
     sum_i coeffs[i] x its count in trace i. An op whose count comes out negative is one whose size
     grows with the layers (a foreach update, a norm over every gradient): with no FLOPs its time is
     its bytes over the bandwidth, linear, so those are folded into one correction op of (possibly
@@ -253,7 +253,7 @@ def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:
     for c, ops in zip(coeffs, lists):
         for op, n in Counter(ops).items():
             total[op] += c * n
-    out, nbytes, fused = [], 0, 0
+    out, nbytes, fused, cold = [], 0, 0, 0
     for op, n in total.items():
         if n > 0:
             out += [op] * n
@@ -264,6 +264,7 @@ def combine_ops(lists: list[list[tuple]], coeffs: list[int]) -> list[tuple]:
                 raise NotLinear(f"an op with FLOPs changes with the depth: {op}")
             nbytes += n * op[1]
             fused += n * op[4]
-    if nbytes or fused:
-        out.append((0, nbytes, None, "memory", fused))
+            cold += n * op[5]
+    if nbytes or fused or cold:
+        out.append((0, nbytes, None, "memory", fused, cold))
     return out

@@ -38,6 +38,7 @@ from torchmeg.parallel.parallelize import describe_report
 from torchmeg.plan import depth, trace_cache
 from torchmeg.plan.fake_world import balanced_routing, fake_world, sharding_propagation_as_in_eager
 from torchmeg.plan.pipeline_rank import measure_pipeline, pipeline_ranks
+from torchmeg.plan.reuse import reuse_distances
 from torchmeg.plan.step_cost import mesh_group_labels
 from torchmeg.plan.trace_lanes import lane, run_lanes
 from torchmeg.plan.trace_step import measure_step, peak_phase
@@ -246,7 +247,8 @@ def _trace(job: tuple[int, int, int]) -> dict:
     # real run's advice, printed by the trainer; a plan printing it per trace buries its table)
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
-        with sharding_propagation_as_in_eager(), balanced_routing(), warnings.catch_warnings():
+        with sharding_propagation_as_in_eager(), balanced_routing(), reuse_distances(cfg.plan.cache_bytes), \
+                warnings.catch_warnings():
             # (FSDP2's warning that a wrapped module returned a view: on fake tensors a functional
             # collective ends in wait_tensor, an alias of its input (torch's _maybe_wrap_tensor while
             # tracing), so the expert dispatch's all-to-all output reads as a view; an eager run gets a

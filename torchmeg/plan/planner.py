@@ -72,7 +72,10 @@ def prepare_plan(cfg, world: int, gpu_name: str, gpus_per_node: int | None = Non
     gpu = target(gpu_name, cfg.plan.calibration, world)
     if gpus_per_node:  # ranks per node: what decides which groups use the fast links
         gpu = dataclasses.replace(gpu, gpus_per_node=gpus_per_node)
-    return Prepared(cfg, world, layout, gpu, whole, model_flops, prepare(copy.deepcopy(cfg), layout, whole))
+    traced = copy.deepcopy(cfg)
+    if not traced.plan.cache_bytes and gpu.calibration is not None:  # (the traces' reuse distances: plan.reuse)
+        traced.plan.cache_bytes = gpu.calibration.cache_bytes
+    return Prepared(cfg, world, layout, gpu, whole, model_flops, prepare(traced, layout, whole))
 
 
 def plan(cfg, world: int, gpu_name: str, isolate: bool = False, gpus_per_node: int | None = None) -> dict:

@@ -40,7 +40,7 @@ RUNTIME_BYTES = 2 * 2 ** 30
 def compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool = False) -> tuple[float, float, float]:
     """(roofline time, of which compute-bound, of which memory-bound); compiled: fused bytes."""
     total = flop_bound = mem_bound = 0.0
-    for flops, nbytes, dtype, kind, fused in ops:
+    for flops, nbytes, dtype, kind, fused, _ in ops:
         if compiled and kind == "memory":
             nbytes = fused
         tm = nbytes / gpu.hbm_bw
@@ -62,7 +62,7 @@ def predicted_compute_seconds(ops, gpu: GPU, float8: bool, compiled: bool) -> di
     eff = gpu.efficiency
     bw = gpu.hbm_bw * eff.memory
     out = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
-    for flops, nbytes, dtype, kind, fused in ops:
+    for flops, nbytes, dtype, kind, fused, _ in ops:
         if kind == "memory":
             out["memory"] += (fused if compiled else nbytes) / bw
         elif kind.startswith("attention"):

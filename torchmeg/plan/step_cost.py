@@ -25,6 +25,7 @@ from torch.utils.flop_counter import flop_registry
 from torchmeg.plan.memory import tensors as _tensors
 from torchmeg.plan.op_kinds import ALIASES, FORMULAS, SHAPED, argument, mnk, moves_data
 from torchmeg.plan.op_fusion import Traffic, fused_bytes, storage_key, traffic
+from torchmeg.plan.reuse import cold_bytes
 
 _DEVICE = torch.ops.prim.device.default
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
@@ -110,12 +111,13 @@ _UNFUSABLE = {"_chunk_cat", "split_with_sizes_copy", "_foreach_copy_"}
 
 
 class StepCost(CommDebugMode):
-    """ops: one (flops, bytes, dtype, kind, fused bytes) per data-moving op: `dtype` the first input's
+    """ops: one (flops, bytes, dtype, kind, fused bytes, cold bytes) per data-moving op: `dtype` the first input's
     for ops with FLOPs, the op's name for the others (aten's: "silu_backward"); `kind` one of matmul,
     matmul/G (a grouped matmul of G groups: MoE's experts), attention, attention_causal (each + "_backward"
     for the gradient's kernel), memory, subclass (a tensor subclass's op: no work, its host cost only);
     a plain matmul's kind carries its shape, "matmul@MxNxK";
-    `fused bytes` what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion)."""
+    `fused bytes` what the op moves once torch.compile fuses it with its neighbours (torchmeg.plan.op_fusion);
+    `cold bytes` what a memory-bound op reads from beyond the cache (torchmeg.plan.reuse; 0 without a cache size)."""
 
     def __init__(self, group_labels: dict[str, str] | None = None, memory=None):
         super().__init__()
@@ -157,7 +159,7 @@ class StepCost(CommDebugMode):
         TorchDispatchMode.__exit__(self, *args)
         done = len(self.ops) - len(self._traffic)
         fused = fused_bytes(self._traffic)
-        self.ops[done:] = [(*op[:4], fb) for op, fb in zip(self.ops[done:], fused)]
+        self.ops[done:] = [(*op[:4], fb, *op[5:]) for op, fb in zip(self.ops[done:], fused)]
         self._traffic = []
 
     @contextlib.contextmanager
@@ -257,6 +259,7 @@ class StepCost(CommDebugMode):
         c["wire_bytes"] += wire
         c["ranks"] = size
         self._boundary = True
+        cold_bytes(list(_tensors(list(args))), list(_tensors(out)), buf)  # (the clock: its bytes went by)
         first = next(_tensors(list(args)), None)
         if kind == "reduce_scatter" and first is not None and self._origin.get(storage_key(first)) == "mm":
             c["fusable_wire_bytes"] += wire
@@ -291,16 +294,17 @@ class StepCost(CommDebugMode):
         tr = traffic(args, out, fusable, _tensors)
         tr.starts_group, self._boundary = self._boundary, False
         self._traffic.append(tr)
-        self.ops.append((flops, nbytes, dtype, kind, nbytes))
+        cold = cold_bytes(list(_tensors(list(args))), list(_tensors(out)), nbytes)
+        self.ops.append((flops, nbytes, dtype, kind, nbytes, cold if kind == "memory" else 0))
         self.op_names.append(str(packet))
         self.op_accumulates.append(self.accumulating or isinstance(torch._C._current_autograd_node(), _ACCUMULATE_GRAD))
 
     def _subclass_op(self, func) -> None:
         """A tensor subclass's op (DTensor's, torchao's float8): no kernel of its own (its local ops come
         back through here), but its host work (DTensor's sharding propagation, in Python) is a cost a
-        calibrated device prices per op (torchmeg.plan.calibrated): one (0, 0, None, "subclass", 0)."""
+        calibrated device prices per op (torchmeg.plan.calibrated): one (0, 0, None, "subclass", 0, 0)."""
         self._traffic.append(Traffic(ghost=True))
-        self.ops.append((0, 0, None, "subclass", 0))
+        self.ops.append((0, 0, None, "subclass", 0, 0))
         self.op_names.append(str(func._overloadpacket))
         self.op_accumulates.append(False)
 

@@ -6,11 +6,12 @@ The key is what a trace depends on: the code that traces (a hash of every torchm
 source file of a model class from outside torchmeg, the versions of torch, torchao and transformers),
 the traced program (traced_program: the recipe as the dry run traces it and the layout), the pipeline
 rank and the trace itself (the layers it keeps, their split, the stages it leaves to another trace).
-Left out, because no trace reads them: the GPU and the rest of [plan] (the GPU enters only the time
-model; trace_layers decides the traces and the stages left, which are in the key), async TP (an
-inductor pass: the build on a fake world runs the same eager ops, and the time model reads the flag
-from the recipe) and compile and float8 emulation (the dry run traces
-eager, the GPU's float8 kernels: torchmeg.plan.dry_run.prepare sets both before anything is keyed).
+Left out, because no trace reads them: the GPU and the rest of [plan] but the cache size the ops'
+reuse distances are judged by (the GPU enters only the time model; trace_layers decides the traces and
+the stages left, which are in the key), async TP (an inductor pass: the build on a fake world runs the
+same eager ops, and the time model reads the flag from the recipe) and compile and float8 emulation (the
+dry run traces eager, the GPU's float8 kernels: torchmeg.plan.dry_run.prepare sets both before anything
+is keyed).
 A file that cannot be read is a miss, never an error; a piece is written to a temporary file and
 renamed, so plans running side by side (CI's workers) never read half of one.
 
@@ -71,7 +72,8 @@ def traced_program(run) -> str:
 def job_key(run, job: tuple[int, int, int]) -> str:
     """The key of one job (plan key, pipeline rank, trace) of a prepared dry run."""
     cfg = copy.deepcopy(run.cfg)
-    cfg.plan = type(cfg.plan)(gpu="cpu" if run.cfg.plan.gpu == "cpu" else "h100")  # (the program: a CPU's or a GPU's)
+    cfg.plan = type(cfg.plan)(gpu="cpu" if run.cfg.plan.gpu == "cpu" else "h100",  # (the program: a CPU's or a GPU's)
+                              cache_bytes=run.cfg.plan.cache_bytes)  # (which bytes the ops read cold: plan.reuse)
     cfg.parallelism.enable_async_tensor_parallel = False
     try:
         model_file = inspect.getsourcefile(run.layout.spec.cls)
