@@ -170,3 +170,26 @@ def test_the_slurm_script_launches_two_nodes(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "nodes      2 x 2 ranks" in p.stdout and [r["step"] for r in read_metrics(tmp_path, "slurm")] == [1, 2, 3, 4]
+
+
+def test_ports_for_servers_bound_later_are_drawn_below_the_ephemeral_range():
+    """torchmeg/runtime/ports.py: a port that another process binds seconds later (the workers' store,
+    a rendezvous, the lighthouse) is drawn below the kernel's ephemeral range, where no outgoing
+    connection can take it in the meantime, and is free when drawn; torchmeg.launch hands the draw to
+    torch's rendezvous, which otherwise picks MASTER_PORT by binding port 0 (an ephemeral port: a
+    replica group's rank 0 once failed to start there with EADDRINUSE under the suite's load)."""
+    import socket
+    from torch.distributed.elastic.rendezvous import api
+    from torchmeg.runtime import launch
+    from torchmeg.runtime.ports import RANGE, ephemeral_start, unused_port
+    ports = [unused_port() for _ in range(20)]
+    assert all(RANGE[0] <= p < min(RANGE[1], ephemeral_start()) for p in ports) and len(set(ports)) > 1, ports
+    with socket.socket() as s:
+        s.bind(("", ports[0]))  # free as drawn
+    saved = api.get_free_port
+    try:
+        with pytest.raises(SystemExit):
+            launch.main(["--help"])
+        assert api.get_free_port is unused_port
+    finally:
+        api.get_free_port = saved

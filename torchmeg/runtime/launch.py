@@ -12,6 +12,9 @@ torchrun (torch.distributed.run, the same arguments), with what a multi-node tor
   for a bootstrap address no one republishes; so torchmeg.launch sets
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (each round's rank 0 worker hosts a fresh store) unless it
   is set already.
+* The workers' MASTER_PORT, which rank 0 binds after its imports, is drawn below the kernel's ephemeral
+  range (torchmeg.runtime.ports), not by torch's bind to port 0: an outgoing connection cannot take it
+  in between.
 
 Two nodes over loopback (what tests/test_multinode.py runs):
     python -m torchmeg.launch --nnodes=2 --nproc_per_node=2 --rdzv-backend=c10d \\
@@ -24,14 +27,20 @@ import os
 import sys
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.rendezvous import api as rendezvous_api
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+from torchmeg.runtime.ports import unused_port
 
 PROG = "torchmeg.launch"
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # The workers' MASTER_PORT: torch's rendezvous picks it with get_free_port (a bind to port 0, from the
+    # ephemeral range), which rank 0's worker binds seconds later; ours is drawn below that range.
+    rendezvous_api.get_free_port = unused_port
     args = torchrun.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         torchrun.run(args)

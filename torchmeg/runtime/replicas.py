@@ -18,19 +18,14 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import uuid
 
+from torchmeg.runtime.ports import unused_port
+
 PROG = "torchmeg.replicas"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -69,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: fault tolerance needs torchft (its lighthouse), which is not installed: "
               f"pip install 'torchmeg[ft]'", file=sys.stderr, flush=True)
         return 2
-    port = args.lighthouse_port or free_port()
+    port = args.lighthouse_port or unused_port()
     lighthouse = subprocess.Popen(
         [binary, "--min_replicas", str(args.min_replicas), "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
          "--join_timeout_ms", str(args.join_timeout_ms), "--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)],
@@ -84,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     groups, pumps, logs = [], [], []
     for i in range(args.groups):
         cmd = [sys.executable, "-m", "torchmeg.launch", "--nnodes=1", f"--nproc_per_node={args.nproc_per_node}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id=replica_{i}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{unused_port()}", f"--rdzv-id=replica_{i}",
                f"--max-restarts={args.max_restarts}", "-m", "torchmeg.train", *train_args,
                "--fault_tolerance.enable=true", f"--fault_tolerance.replica_id={i}",
                f"--fault_tolerance.group_size={args.groups}"]

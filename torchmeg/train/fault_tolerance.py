@@ -188,7 +188,8 @@ class FaultTolerantTrainer(Trainer):
                     print(f"SIGTERM: stopped after step {self.state.step}", flush=True)
                 break
         profiler.close()
-        self._finish()
+        if self.logger is not None:  # (None: the job finished while this group was down; it trained nothing)
+            self._finish()
         if self.rank == 0 and self.state.step >= cfg.training.steps and job_id():
             with open(self._marker_path(), "w") as fh:  # what a group that restarts after the end reads
                 json.dump({"job": job_id(), "step": self.state.step, "replica": ft.replica_id}, fh)
