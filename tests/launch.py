@@ -20,6 +20,7 @@ import time
 
 import processes
 import timeline
+from torchmeg.runtime.ports import free_port_in
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,14 +36,9 @@ def free_port() -> int:
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
     size = PORTS[1] // count
-    for _ in range(200):
-        port = PORTS[0] + worker * size + _PORT_DRAW.randrange(size)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # in use
-            return port
+    port = free_port_in(PORTS[0] + worker * size, PORTS[0] + (worker + 1) * size, _PORT_DRAW, "127.0.0.1")
+    if port is not None:
+        return port
     raise RuntimeError(f"no free port in {PORTS[0] + worker * size}..{PORTS[0] + (worker + 1) * size}")
 
 

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from torchmeg.plan.memory import tensors
 from torchmeg.plan.op_fusion import storage_key
 
 _ACTIVE: list = []
@@ -86,5 +87,7 @@ def device_cache_bytes(device: torch.device, ranks: int) -> int:
     return best[1] // max(1, ranks)
 
 
-def cold_bytes(inputs: list, outputs: list, nbytes: int) -> int:
-    return _ACTIVE[-1].touch(inputs, outputs, nbytes) if _ACTIVE else 0
+def cold_bytes(args, out, nbytes: int) -> int:
+    """An op's (args, output) moving `nbytes`: its inputs' cold bytes (0, and nothing walked, when no
+    reuse_distances is active)."""
+    return _ACTIVE[-1].touch(list(tensors(list(args))), list(tensors(out)), nbytes) if _ACTIVE else 0

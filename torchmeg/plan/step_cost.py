@@ -259,7 +259,7 @@ class StepCost(CommDebugMode):
         c["wire_bytes"] += wire
         c["ranks"] = size
         self._boundary = True
-        cold_bytes(list(_tensors(list(args))), list(_tensors(out)), buf)  # (the clock: its bytes went by)
+        cold_bytes(args, out, buf)  # (the clock: its bytes went by)
         first = next(_tensors(list(args)), None)
         if kind == "reduce_scatter" and first is not None and self._origin.get(storage_key(first)) == "mm":
             c["fusable_wire_bytes"] += wire
@@ -294,7 +294,7 @@ class StepCost(CommDebugMode):
         tr = traffic(args, out, fusable, _tensors)
         tr.starts_group, self._boundary = self._boundary, False
         self._traffic.append(tr)
-        cold = cold_bytes(list(_tensors(list(args))), list(_tensors(out)), nbytes)
+        cold = cold_bytes(args, out, nbytes)
         self.ops.append((flops, nbytes, dtype, kind, nbytes, cold if kind == "memory" else 0))
         self.op_names.append(str(packet))
         self.op_accumulates.append(self.accumulating or isinstance(torch._C._current_autograd_node(), _ACCUMULATE_GRAD))

@@ -28,18 +28,26 @@ def ephemeral_start() -> int:
         return 32768
 
 
-def unused_port() -> int:
-    """A port no socket holds now, below the ephemeral range (any free port if none is found there)."""
-    lo, hi = RANGE
-    hi = min(hi, ephemeral_start()) if ephemeral_start() > lo else hi
+def free_port_in(lo: int, hi: int, draw=_DRAW, host: str = "") -> int | None:
+    """A port in [lo, hi) that no socket holds now (up to 200 random draws), or None."""
     for _ in range(200):
-        port = _DRAW.randrange(lo, hi)
+        port = draw.randrange(lo, hi)
         with socket.socket() as s:
             try:
-                s.bind(("", port))
+                s.bind((host, port))
             except OSError:
                 continue  # in use
             return port
+    return None
+
+
+def unused_port() -> int:
+    """A port no socket holds now, below the ephemeral range (any free port if none is found there)."""
+    lo, hi = RANGE
+    start = ephemeral_start()
+    port = free_port_in(lo, min(hi, start) if start > lo else hi)
+    if port is not None:
+        return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
