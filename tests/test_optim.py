@@ -217,3 +217,47 @@ def test_resume_takes_the_state_into_new_groups_and_refuses_another_optimizers(t
     err = [line for line in p.stderr.splitlines() if "error" in line]
     assert len(err) == 1 and "optimizer.name = 'muon': checkpoint" in err[0] and "holds the state of 'adamw'" in err[0]
     assert "Traceback" not in p.stderr
+
+
+def test_partial_gradients_are_settled_once_in_one_all_reduce_per_bucket():
+    """Sequence parallel leaves a replicated weight's gradient Partial; left so, the grad norm and every
+    AdamW op on it all-reduce it again (8 blocking all-reduces for two such weights). reduce_partial_grads
+    settles them onto their weights' placements in one all-reduce per (mesh, placements, dtype): after it
+    the norm and the update need none. The fake world's all-reduce leaves values as they are, so every
+    gradient's values coming back unchanged checks the flat bucket's packing (a transposed, non-contiguous
+    gradient among them); the sum itself is the TP runs' equality with one device (tests/test_parallel.py)."""
+    import torch.distributed as dist  # lazy: this test's fake world only
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torchmeg.plan.fake_world import fake_world
+    from torchmeg.train.optim import reduce_partial_grads
+    fake_world(2, 0)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        g = torch.Generator().manual_seed(0)
+        shapes = [((4,), torch.float32), ((5, 3), torch.float32), ((6,), torch.bfloat16)]
+        params, want = [], []
+        for shape, dtype in shapes:
+            p = torch.nn.Parameter(distribute_tensor(torch.zeros(shape, dtype=dtype), mesh, [Replicate()]))
+            local = torch.randn(shape[::-1], generator=g).to(dtype).t() if len(shape) == 2 else torch.randn(shape, generator=g).to(dtype)
+            p.grad = DTensor.from_local(local, mesh, [Partial()], run_check=False)
+            params.append(p)
+            want.append(local.clone())
+        sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 2), mesh, [Shard(0)]))
+        sharded.grad = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)], run_check=False)
+        everything = params + [sharded]
+        opt = torch.optim.AdamW(everything, lr=0.1)
+        with CommDebugMode() as comm:
+            assert reduce_partial_grads(everything) is everything
+        assert comm.get_total_counts() == 2  # one float32 bucket of two gradients, one bfloat16
+        for p, w in zip(params, want):
+            assert p.grad.placements == (Replicate(),) and p.grad.shape == w.shape and p.grad.dtype == w.dtype
+            assert torch.equal(p.grad.to_local(), w)
+        assert sharded.grad.placements == (Shard(0),) and torch.equal(sharded.grad.to_local(), torch.ones(4, 2))
+        with CommDebugMode() as comm:
+            grad_norm(everything)
+            opt.step()
+        assert comm.get_total_counts() == 1  # the sharded group's norm only: no gradient reduced again
+    finally:
+        dist.destroy_process_group()

@@ -157,9 +157,9 @@ def test_the_plan_traces_the_update_a_gpu_runs(layout, tmp_path, monkeypatch):
     (2, ["--parallelism.data_parallel_shard_degree=2"], "local"),
     (4, ["--parallelism.tensor_parallel_degree=2"], "local"),
     (4, ["--parallelism.pipeline_parallel_degree=2", "--training.mixed_precision=bf16"], "local"),
-    # TP without FSDP: the norms' weights are replicated and their gradients Partial, which DTensor's
-    # update all-reduces: the update runs as the trainer runs it
-    (2, ["--parallelism.tensor_parallel_degree=2"], "dtensor")], ids=["fsdp2", "tp2_fsdp2", "pp2_fsdp2_bf16", "tp2"])
+    # TP without FSDP: the norms' weights are replicated, their gradients Partial until the step
+    # settles them (optim.reduce_partial_grads, one all-reduce): then local too
+    (2, ["--parallelism.tensor_parallel_degree=2"], "local")], ids=["fsdp2", "tp2_fsdp2", "pp2_fsdp2_bf16", "tp2"])
 def test_the_update_runs_on_local_shards_with_the_same_numbers(world, layout, on, tmp_path, monkeypatch):
     """The traced update runs on the DTensors' local shards where DTensor would run it there with no
     collective (plan.trace_step.on_local_shards: DTensor's sharding propagation of the foreach ops is

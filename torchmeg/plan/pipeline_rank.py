@@ -26,7 +26,7 @@ from torchmeg.plan.step_cost import add_comm
 from torchmeg.plan.trace_step import (Measurement, build, create_optimizer_state, float8_scales, gpu_optimizer,
                                       router_stats, track_step)
 from torchmeg.train.build import GlobalTargetMean, loss_function, takes_sharded_logits
-from torchmeg.train.optim import grad_norm
+from torchmeg.train.optim import grad_norm, reduce_partial_grads
 
 
 def measure_pipeline(cfg, layout: Layout, mesh, ep_mesh, labels, keep, read=frozenset()) -> dict:
@@ -92,7 +92,7 @@ def measure_stages(cfg, layout: Layout, mesh, built, opt, labels, read=frozenset
         dist.all_reduce(loss, group=pp_group)
         dist.all_reduce(loss, group=mesh["dp_cp"].get_group())
         router_stats(built, layout, mesh)
-        grad_norm(list(built.model.parameters()), [pp_group])
+        grad_norm(reduce_partial_grads(list(built.model.parameters())), [pp_group])
         opt.step()
         scales()
     tail_m = track_step(tail, built.parts, opt, labels)

@@ -31,7 +31,7 @@ from torchmeg.plan.step_cost import StepCost
 from torchmeg.train.build import GlobalTargetMean, ModelStep, build_parallel_model, forward_backward, loss_function
 from torchmeg.train.dpo import DPOLoss
 from torchmeg.train.grpo_loss import GRPOLoss, RolloutRows
-from torchmeg.train.optim import build_optimizer, grad_norm
+from torchmeg.train.optim import build_optimizer, grad_norm, reduce_partial_grads
 from torchmeg.train.router_stats import reduce_router_stats, router_modules
 
 
@@ -329,14 +329,14 @@ def create_optimizer_state(model, opt) -> int:
 
 
 def update_step(forward_backward, model, opt, extra_groups, after=lambda: None):
-    """The trainer's step after forward/backward: the grad norm (one reduction per placement
-    group), the optimizer update and `after` it (float8_scales'). Clipping (one multiply per
+    """The trainer's step after forward/backward: partial gradients settled (reduce_partial_grads: one
+    all-reduce per bucket), the grad norm (one reduction per placement group), the optimizer update and `after` it (float8_scales'). Clipping (one multiply per
     gradient) is left out: fake tensors hold no norm to compare with max_norm."""
 
     def run(between=lambda: None):
         forward_backward()
         between()
-        grad_norm(list(model.parameters()), extra_groups)
+        grad_norm(reduce_partial_grads(list(model.parameters())), extra_groups)
         opt.step()
         after()
     return run

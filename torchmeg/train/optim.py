@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
 from torchmeg.config.checks import decay_steps
 
@@ -145,6 +146,42 @@ def build_lr_scheduler(opt: torch.optim.Optimizer, cfg, step: int = 0) -> torch.
     for g in opt.param_groups:
         g["initial_lr"] = g.get("base_lr", cfg.optimizer.lr)
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg), last_epoch=step - 1)
+
+
+def reduce_partial_grads(params) -> list:
+    """Settle every gradient DTensor left as a partial sum onto its parameter's placements, once per step,
+    in one all-reduce per (mesh, placements, dtype) bucket; returns `params`.
+
+    Under sequence parallel a weight replicated over the tensor-parallel ranks (a norm's, a router's)
+    meets sharded activations, so autograd leaves its gradient Partial. Left so, every later op that
+    needs its value redistributes it again: the grad norm once, AdamW's lerp_ and addcmul_ (twice: both
+    operands) each step, clipping too, one blocking all-reduce a call (a TP 2 moe_debug step made 90
+    where 2 carry data; each waits for the slower rank). A sum over a mesh dim becomes an in-place
+    all-reduce of the bucket's flat local buffer on that dim's group (elementwise, so flattening is
+    exact); a partial dim that should end sharded, or a reduction other than sum, redistributes that
+    gradient alone. FSDP2's own reduce-scatter settles the gradients it manages before this sees them."""
+    buckets = defaultdict(list)
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            buckets[(g.device_mesh, tuple(g.placements), tuple(p.placements), g.dtype)].append(p)
+    for (mesh, have, want, _), ps in buckets.items():
+        if not all(h.is_replicate() or h == w or (h.is_partial() and h.reduce_op == "sum" and w.is_replicate())
+                   for h, w in zip(have, want)):
+            for p in ps:
+                p.grad = p.grad.redistribute(mesh, want)
+            continue
+        local = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for dim, h in enumerate(have):
+            if h.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        settled = tuple(Replicate() if h.is_partial() else h for h in have)
+        for p, t, piece in zip(ps, local, flat.split([t.numel() for t in local])):
+            shape = p.grad.shape  # (global; the bucket's pieces are contiguous, so is the settled gradient)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            p.grad = DTensor.from_local(piece.view(t.shape), mesh, settled, run_check=False, shape=shape, stride=stride)
+    return params
 
 
 def grad_norm(params, extra_groups=()) -> torch.Tensor:

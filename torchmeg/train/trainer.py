@@ -34,7 +34,7 @@ from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import MetricsLogger, format_line, memory_fields, model_state_bytes
 from torchmeg.models.count import flops_per_token
 from torchmeg.observe.op_record import OpRecorder, write as write_op_record
-from torchmeg.train.optim import build_lr_scheduler, build_optimizer, clip_grads, describe_groups, grad_norm
+from torchmeg.train.optim import build_lr_scheduler, build_optimizer, clip_grads, describe_groups, grad_norm, reduce_partial_grads
 from torchmeg.parallel.expert import expert_modules
 from torchmeg.parallel.pipeline import describe_inflight
 from torchmeg.observe.peak import peak_flops, repair_peak
@@ -207,7 +207,7 @@ class Trainer:
             for p in self.expert_params:
                 if p.grad is not None:
                     p.grad.div_(self.dims.ep)
-            gn = grad_norm(self.params, [self.pp_group] if self.built.schedule is not None else []).item()
+            gn = grad_norm(reduce_partial_grads(self.params), [self.pp_group] if self.built.schedule is not None else []).item()
         return loss_val, gn
 
     def _forward_backward(self, batches) -> torch.Tensor:
