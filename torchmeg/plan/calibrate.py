@@ -10,9 +10,10 @@ What a datasheet cannot say and the planner needs (torchmeg.plan.calibrated read
               on a CPU exp / silu / a softmax run at their arithmetic's rate, far below a copy's
   dispatch    the host's cost of one eager op of a training step (forward and backward of one-element
               ops: dispatch, autograd's record and visit, a launch; no work); with
-              ranks, what a DTensor op adds to it (its sharding propagation, in Python)
+              ranks, what a DTensor op adds to it under autograd (its sharding propagation, in Python)
   collectives with more than one rank (under torchrun): all-reduce, all-gather, reduce-scatter,
-              all-to-all and a pipeline's send / recv by size over the default process group; and how much
+              all-to-all and a pipeline's send / recv by size over the default process group, the mean
+              of a call (a step pays their long tail: torchmeg.plan.timing.seconds); and how much
               of a collective hides under a matmul run beside it (FSDP's prefetch, measured, not assumed)
 Each point is recorded with the FLOPs and bytes the planner's own op counter (step_cost.StepCost)
 gives the op, so a plan's op is looked up by the same numbers it was measured by. Every rank measures
@@ -25,7 +26,6 @@ import itertools
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
@@ -37,11 +37,10 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmeg.plan.reuse import device_cache_bytes
 from torchmeg.plan.step_cost import StepCost
+from torchmeg.plan.timing import BUDGET, Table, seconds
 from torchmeg.runtime.process import keep_freed_memory
 
 LONGEST = 0.05          # s: the first matmul / attention / elementwise shape this slow ends its table
-BUDGET = 10.0           # s: at most this long per table (its largest shapes left out: their rate has settled)
-MIN_TIME = 0.02         # s: each point is timed over at least this long (or 5 calls)
 ROWS = (128, 512, 2048, 8192, 32768)
 # (n, k) of a weight: square, wide, tall, up to a 405B's
 WEIGHTS = ((64, 64), (256, 256), (1024, 256), (256, 1024), (1024, 1024), (4096, 1024), (1024, 4096),
@@ -51,67 +50,6 @@ SEQS = (128, 256, 512, 1024, 2048, 4096, 8192)
 SIZES = tuple(4 ** i for i in range(5, 14))  # elements: 1 Ki .. 64 Mi
 COMM_BYTES = tuple(4 ** i for i in range(6, 14))  # 4 KiB .. 64 MiB
 GRID = sorted(((m, n, k) for m in ROWS for n, k in WEIGHTS), key=lambda s: s[0] * s[1] * s[2])  # (m, n, k), cheapest first
-
-
-class Table:
-    """Points measured in order of cost until one takes `longest` or the table has taken `budget`."""
-
-    def __init__(self, longest: float, budget: float = BUDGET):
-        self.longest, self.end = longest, time.perf_counter() + budget
-        self.points: list = []
-        self.last = 0.0  # seconds of the last point measured
-
-    def add(self, point: list, seconds: float) -> None:
-        self.points.append(point)
-        self.last = seconds
-
-    def full(self) -> bool:
-        """Whether to stop (every rank agrees: the ranks measure together)."""
-        done = time.perf_counter() > self.end or self.last > self.longest
-        if dist.is_initialized():
-            flag = torch.tensor([float(done)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            done = bool(flag.item())
-        return done
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def seconds(fn, device, min_time: float = MIN_TIME) -> float:
-    """The median time of one call of fn (after one warm-up call), timed over >= min_time or 5 calls.
-    Every rank times at once, the same number of calls; the mean of the ranks' medians is returned."""
-    _barrier()
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    fn()
-    _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
-    reps = max(5, min(200, int(min_time / one)))
-    if dist.is_initialized():  # (every rank the same count: fn may be a collective)
-        agreed = torch.tensor([reps])
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        reps = int(agreed.item())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    t = statistics.median(times)
-    if dist.is_initialized():  # the ranks' mean: every rank then holds the same tables and decisions
-        mean = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(mean)
-        t = mean.item() / dist.get_world_size()
-    return t
 
 
 def counted(fn, kind_prefix: str) -> tuple[int, int]:
@@ -246,19 +184,32 @@ def dispatch(device) -> float:
 
 
 def subclass_op(device) -> float:
-    """Host seconds a DTensor op adds to its local op (sharding propagation and the unwrap, in Python):
-    an add of two row-sharded DTensors (no collective) minus the same add of plain tensors."""
+    """Host seconds a DTensor op adds to its local op in a training step (sharding propagation, the
+    unwrap and rewrap, in Python, forward and backward: autograd sees the DTensor, so its backward ops
+    are DTensor ops too): chains of one-element multiplies of a row-sharded DTensor, forward and
+    backward, against the same chains of plain tensors, per DTensor op the planner counts in them. Two
+    lengths, differenced: the chains' common tail (the sum, the backward's start) cancels. An add
+    without autograd, what this measured before, costs a third of it (7 against 25 us on this CPU,
+    2026-12-07), and a TP step's ops are mostly under autograd."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    x = torch.ones(8 * dist.get_world_size(), 8, device=device)
-    d = distribute_tensor(x, mesh, [Shard(0)])
-    calls = 50
+    plain = torch.ones(2 * dist.get_world_size(), 4, device=device)
+    sharded = distribute_tensor(plain, mesh, [Shard(0)])
 
-    def many(t):
-        def run():
-            for _ in range(calls):
-                t.add(t)
-        return run
-    return max(0.0, (seconds(many(d), device) - seconds(many(x), device)) / calls)
+    def timed(x, length):
+        x = x.detach().requires_grad_(True)
+
+        def chain():
+            y = x
+            for _ in range(length):
+                y = y * 1.0001
+            y.sum().backward()
+        cost = StepCost()
+        with cost:
+            chain()
+        return seconds(chain, device), sum(op[3] == "subclass" for op in cost.ops)
+    (p1, _), (p2, _) = timed(plain, 25), timed(plain, 75)
+    (d1, n1), (d2, n2) = timed(sharded, 25), timed(sharded, 75)
+    return max(0.0, ((d2 - d1) - (p2 - p1)) / max(1, n2 - n1))
 
 
 def collectives(device, longest: float, budget: float = BUDGET) -> dict:
@@ -273,18 +224,18 @@ def collectives(device, longest: float, budget: float = BUDGET) -> dict:
         n = nbytes // 4
         big = torch.ones(n - n % world, device=device)
         part = torch.ones(big.numel() // world, device=device)
-        out["all_reduce"].append([big.numel() * 4, seconds(lambda: dist.all_reduce(big), device)])
-        out["all_gather"].append([big.numel() * 4, seconds(lambda: dist.all_gather_into_tensor(big, part), device)])
-        out["reduce_scatter"].append([big.numel() * 4, seconds(lambda: _reduce_scatter(part, big), device)])
+        out["all_reduce"].append([big.numel() * 4, seconds(lambda: dist.all_reduce(big), device, mean=True)])
+        out["all_gather"].append([big.numel() * 4, seconds(lambda: dist.all_gather_into_tensor(big, part), device, mean=True)])
+        out["reduce_scatter"].append([big.numel() * 4, seconds(lambda: _reduce_scatter(part, big), device, mean=True)])
         other = torch.empty_like(big)
-        out["all_to_all"].append([big.numel() * 4, seconds(lambda: dist.all_to_all_single(other, big), device)])
+        out["all_to_all"].append([big.numel() * 4, seconds(lambda: dist.all_to_all_single(other, big), device, mean=True)])
 
         def pair():  # rank 2i sends to 2i + 1 (a pipeline's neighbours); an odd last rank waits
             if rank % 2 == 0 and rank + 1 < world:
                 dist.send(big, rank + 1)
             elif rank % 2 == 1:
                 dist.recv(big, rank - 1)
-        out["send"].append([big.numel() * 4, seconds(pair, device)])
+        out["send"].append([big.numel() * 4, seconds(pair, device, mean=True)])
         t = max(p[-1][1] for p in out.values())
         table.add([t], t)
     out["overlap"] = overlap(device)
