@@ -14,12 +14,16 @@ MIN_TIME = 0.02         # s: each point is timed over at least this long (or 5 c
 
 
 class Table:
-    """Points measured in order of cost until one takes `longest` or the table has taken `budget`."""
+    """Points measured in order of cost until one takes `longest` or the table has taken `budget`, the
+    budget only after `at_least` rounds (the loop's shapes begun): a loaded machine or a small budget
+    still gives a table a few points to interpolate between (with `--budget 0.4` under the suite's
+    load the matmul table once held only two shapes)."""
 
-    def __init__(self, longest: float, budget: float = BUDGET):
-        self.longest, self.end = longest, time.perf_counter() + budget
+    def __init__(self, longest: float, budget: float = BUDGET, at_least: int = 3):
+        self.longest, self.end, self.at_least = longest, time.perf_counter() + budget, at_least
         self.points: list = []
         self.last = 0.0  # seconds of the last point measured
+        self.rounds = 0
 
     def add(self, point: list, seconds: float) -> None:
         self.points.append(point)
@@ -27,11 +31,12 @@ class Table:
 
     def full(self) -> bool:
         """Whether to stop (every rank agrees: the ranks measure together)."""
-        done = time.perf_counter() > self.end or self.last > self.longest
+        done = (time.perf_counter() > self.end and self.rounds >= self.at_least) or self.last > self.longest
         if dist.is_initialized():
             flag = torch.tensor([float(done)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             done = bool(flag.item())
+        self.rounds += not done
         return done
 
 
