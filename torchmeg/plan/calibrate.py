@@ -224,18 +224,21 @@ def collectives(device, longest: float, budget: float = BUDGET) -> dict:
         n = nbytes // 4
         big = torch.ones(n - n % world, device=device)
         part = torch.ones(big.numel() // world, device=device)
-        out["all_reduce"].append([big.numel() * 4, seconds(lambda: dist.all_reduce(big), device, mean=True)])
-        out["all_gather"].append([big.numel() * 4, seconds(lambda: dist.all_gather_into_tensor(big, part), device, mean=True)])
-        out["reduce_scatter"].append([big.numel() * 4, seconds(lambda: _reduce_scatter(part, big), device, mean=True)])
+
+        def per_call(fn):  # [buffer bytes, the mean of a call: a step pays the collectives' long tail]
+            return [big.numel() * 4, seconds(fn, device, mean=True)]
+        out["all_reduce"].append(per_call(lambda: dist.all_reduce(big)))
+        out["all_gather"].append(per_call(lambda: dist.all_gather_into_tensor(big, part)))
+        out["reduce_scatter"].append(per_call(lambda: _reduce_scatter(part, big)))
         other = torch.empty_like(big)
-        out["all_to_all"].append([big.numel() * 4, seconds(lambda: dist.all_to_all_single(other, big), device, mean=True)])
+        out["all_to_all"].append(per_call(lambda: dist.all_to_all_single(other, big)))
 
         def pair():  # rank 2i sends to 2i + 1 (a pipeline's neighbours); an odd last rank waits
             if rank % 2 == 0 and rank + 1 < world:
                 dist.send(big, rank + 1)
             elif rank % 2 == 1:
                 dist.recv(big, rank - 1)
-        out["send"].append([big.numel() * 4, seconds(pair, device, mean=True)])
+        out["send"].append(per_call(pair))
         t = max(p[-1][1] for p in out.values())
         table.add([t], t)
     out["overlap"] = overlap(device)

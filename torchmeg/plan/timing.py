@@ -77,7 +77,7 @@ def seconds(fn, device, min_time: float = MIN_TIME, mean: bool = False) -> float
         times.append(time.perf_counter() - t0)
     t = statistics.mean(times) if mean else statistics.median(times)
     if dist.is_initialized():  # the ranks' mean: every rank then holds the same tables and decisions
-        mean = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(mean)
-        t = mean.item() / dist.get_world_size()
+        across = torch.tensor([t], dtype=torch.float64)
+        dist.all_reduce(across)
+        t = across.item() / dist.get_world_size()
     return t

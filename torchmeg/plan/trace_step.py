@@ -330,8 +330,9 @@ def create_optimizer_state(model, opt) -> int:
 
 def update_step(forward_backward, model, opt, extra_groups, after=lambda: None):
     """The trainer's step after forward/backward: partial gradients settled (reduce_partial_grads: one
-    all-reduce per bucket), the grad norm (one reduction per placement group), the optimizer update and `after` it (float8_scales'). Clipping (one multiply per
-    gradient) is left out: fake tensors hold no norm to compare with max_norm."""
+    all-reduce per bucket), the grad norm (one reduction per placement group), the optimizer update and
+    `after` it (float8_scales'). Clipping (one multiply per gradient) is left out: fake tensors hold no
+    norm to compare with max_norm."""
 
     def run(between=lambda: None):
         forward_backward()
