@@ -115,6 +115,45 @@ def test_a_static_decode_step_dispatches_a_fraction_of_the_eager_ops(model):
             assert engine.runner.static.steps[4] == 2  # (3 rows padded to 4, this step and the one before)
     layers = len(model.layers)
     assert counts[False] >= 25 * layers and counts[True] * 4 <= counts[False], counts
+    # what the graph runs (dynamo's graph): q, k and v as one matmul (StackedQKV's weight), then wo,
+    # w1, w3, w2 a layer and the head; on a CPU attention by FlexAttention over the pools (no SDPA over
+    # a gathered copy). Eager's graph would hold 7 a layer, the gathered step 2 SDPA calls.
+    ops = engine.runner.static.graph_ops
+    assert ops["linear"] == 5 * layers + 1, ops
+    assert ops["flex_attention"] == layers and ops["scaled_dot_product_attention"] == 0, ops
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_the_stacked_qkv_follows_the_weights():
+    """The static step's q/k/v weight is a copy (batching.static_decode.StackedQKV): a weight updated
+    in place (an optimizer's step, load_state_dict) is stacked again before the next step, so the
+    engine decodes with the new weights: its tokens are the eager engine's before and after, and
+    change with the weights."""
+    model = _model()
+    prompts = [[3 + i, 40, 41 + i] * (5 + 4 * i) for i in range(4)]
+
+    def run(static):
+        engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=4, max_len=128, max_queue=4, static_decode=static)
+        jobs = [Job(list(p), 12, Sampling(), on_event=lambda *e: None) for p in prompts]
+        for j in jobs:
+            engine.submit(j)
+        while engine.running or engine.waiting:
+            engine.step()
+        return [j.tokens for j in jobs], engine
+
+    before, engine = run(True)
+    assert before == run(False)[0]
+    stacked = engine.runner.static.qkv
+    old = dict(stacked.stacks)
+    with torch.no_grad():
+        for layer in model.layers.values():
+            layer.attention.wk.weight.mul_(-3.0)
+            layer.attention.wv.weight.add_(0.05)
+    stacked.current()  # (this engine's own copy is made again too)
+    assert all(stacked.stacks[n] is not old[n] for n in old)
+    after, _ = run(True)
+    assert after == run(False)[0] and after != before
 
 
 @pytest.mark.slow
@@ -150,6 +189,24 @@ def test_bf16_static_decode_equals_eager_up_to_the_format(tmp_path):
             assert abs(lp_a - lp_b) <= bound, (t, lp_a, lp_b, bound)
             compared += 1
     assert compared >= 0.75 * 16 * len(prompts), compared
+
+
+def test_q_k_v_are_stacked_only_where_the_three_matmuls_are_all_they_run():
+    """StackedQKV stacks a layer's q/k/v weights only for bias-free nn.Linear modules with no hook: a
+    LoRA adapter (models.lora: a forward hook adds its update) would be skipped by the stacked matmul,
+    so its layer keeps the three (the LoRA model's tokens stay its own); gpt-oss's attention (biases,
+    its own forward) is never stacked."""
+    from torchmeg.batching.static_decode import StackedQKV
+    from torchmeg.models.lora import attach
+    model = _model()
+    assert set(StackedQKV(model).sources) == set(model.layers) == {"0", "1"}
+    attach(model, ["layers.1.attention.wv"], rank=2, alpha=4.0, dropout=0.0)
+    stacked = StackedQKV(model)
+    assert set(stacked.sources) == {"0"} and set(stacked.current()) == {"0"}
+    w = model.layers["0"].attention
+    assert torch.equal(stacked.stacks["0"], torch.cat([w.wq.weight, w.wk.weight, w.wv.weight]))
+    oss = materialize(build_model(load_config("recipes/gpt_oss_debug.toml", ["--model.n_layers=2"]), 257, "meta"), "cpu", seed=0)
+    assert StackedQKV(oss).sources == {}
 
 
 def test_hf_and_tensor_parallel_models_keep_the_eager_step():

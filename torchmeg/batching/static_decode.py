@@ -6,9 +6,10 @@ step on an H200 took 24,001 launches and was bound by the host (docs/gpu-results
 one `torch.compile`d function of fixed inputs, so inductor fuses the pointwise ops (the norms, RoPE, the
 residuals, the cache writes' index math) and a GPU replays the whole step as one CUDA graph:
 
-- **Inputs, one upload**: [rows, 2 + blocks] int64, each row its start (the position its new token
-  takes), its token and its block table padded with the null block. Positions, the pool slot each new
-  key is written at, the slots each row reads and its mask are computed inside the graph.
+- **Inputs, one upload**: [2 + blocks, rows] int64, by column: each row's start (the position its new
+  token takes), its token and its block table padded with the null block (column-major so the starts
+  are the buffer's first row: FlexAttention's mask reads them from the input itself). Positions, the
+  pool slot each new key is written at, the slots each row reads and its mask are computed inside the graph.
 - **Padded to a few sizes** (`capture_sizes`, vLLM's: 1, 2, 4, then multiples of 8 up to --max-seqs):
   the rows past the batch read and write only the null block (start 0, every table entry the null
   block) and their logits are dropped. The tables' width is the batch's longest in blocks; on a GPU
@@ -18,10 +19,14 @@ residuals, the cache writes' index math) and a GPU replays the whole step as one
   (two on a GPU) serves every size and length (`compiles` counts them: tests/test_serve_static.py). On a GPU each size and width is recorded as a CUDA graph the first time
   it runs and replayed after (inductor's cudagraph trees); the pools are marked static (the graphs
   write them in place). On a CPU the kernels are called from C++ (inductor's cpp_wrapper).
-- **Attention**: SDPA over the view gathered through the block tables (as the eager decode's
-  batching.paged: SDPA reads no block table), masked past each row's start. RoPE in its real form
-  (models.rope.REAL_FORM, set around the step: one fused kernel; inductor has no code for the complex
-  multiply every other forward runs).
+- **Attention**: on a CPU FlexAttention over the pools themselves (inductor's C++ template): one
+  block mask a step, each row's table its blocks (the last one masked past the row's start), so a row
+  reads only its own blocks and nothing is copied; the rows are the queries of one sequence, each its
+  own query block. Elsewhere SDPA over the view gathered through the block tables (as the eager
+  decode's batching.paged), masked past each row's start (FlexAttention's GPU kernel under CUDA graphs
+  not yet measured here). q, k and v as one matmul (`StackedQKV`: a copy of the three weights stacked,
+  kept in step with them). RoPE in its real form (models.rope.REAL_FORM, set around the step: one
+  fused kernel; inductor has no code for the complex multiply every other forward runs).
 - **Guards**: every call checks the inputs' and the pools' shapes and types, not the model's
   parameters (torch.compiler.skip_guard_on_all_nn_modules_unsafe: their checks took a quarter of a
   16-layer CPU step). One compile per model (`isolate_recompiles`: another model never runs its
@@ -82,12 +87,19 @@ class StaticDecode:
         self.sizes = capture_sizes(max_seqs)
         self.steps: Counter = Counter()  # decode steps run, by padded size
         self.view = StaticCache(cache)
+        self.qkv = StackedQKV(model)
         self._fn, self._compiled = compiled_step(model, graphs)
 
     @property
     def compiles(self) -> int:
         """Graphs compiled for this model so far (every engine over it shares them)."""
         return self._compiled[0]
+
+    @property
+    def graph_ops(self) -> Counter:
+        """The calls in the last graph compiled, by function name (dynamo's graph, before inductor):
+        what the step runs (its matmuls, its attention kernel), for tests/test_serve_static.py."""
+        return self._compiled[1]
 
     def width(self, blocks: int) -> int:
         """The block tables' width for a batch whose longest reads `blocks` blocks: on a GPU the next
@@ -104,17 +116,20 @@ class StaticDecode:
         size = self.size(rows)
         # (2 blocks at least: a table of 1 is a specialized shape, its own graph)
         blocks = self.width(max(2, *(s // BLOCK + 1 for s in starts)))
-        host = [[s, t] + tb[:blocks] + [NULL] * (blocks - len(tb[:blocks])) for s, t, tb in zip(starts, tokens, tables)]
-        host += [[0, 0] + [NULL] * blocks] * (size - rows)
+        pad = size - rows
+        host = [list(starts) + [0] * pad, list(tokens) + [0] * pad]
+        host += [[tb[j] if j < len(tb) else NULL for tb in tables] + [NULL] * pad for j in range(blocks)]
         packed = torch.tensor(host, dtype=torch.long, device=dev)
         # the tables' width dynamic; the batch too: on a CPU unbacked (a batch of 1 gets no graph of its
         # own), on a GPU backed (as vLLM marks it: cudagraph trees' well-trodden path; 1 and the rest)
         if self.graphs:
-            torch._dynamo.maybe_mark_dynamic(packed, 0)
+            torch._dynamo.maybe_mark_dynamic(packed, 1)
         else:
-            torch._dynamo.decorators.mark_unbacked(packed, 0)
-        torch._dynamo.maybe_mark_dynamic(packed, 1)
+            torch._dynamo.decorators.mark_unbacked(packed, 1)
+        torch._dynamo.maybe_mark_dynamic(packed, 0)
         self.view.sync()
+        for name, w in self.qkv.current().items():
+            self.view.layers[name].qkv = w
         if self.graphs and not self.view.marked:
             self.view.mark_static()
         # (no_grad: the graph is inference's, a caller's grad mode would compile another; RoPE's real form)
@@ -129,6 +144,44 @@ class StaticDecode:
         return out
 
 
+class StackedQKV:
+    """Each attention's q, k and v weights stacked into one [(H + 2K) x D, dim] copy, so the static
+    step runs one matmul where eager runs three (models.llama.Attention.project reads it from the
+    layer's cache; vLLM's models hold q/k/v fused, ours keep Hugging Face's three for training, tensor
+    parallelism and checkpoints). A copy, the size of the three weights (with GQA ~1.5x the query's;
+    not the feed-forward's w1/w3, which would cost ~40% of a Llama's weights more), kept in step with
+    the model: before each step every source weight's version counter and storage are compared with
+    those it was copied from, and a layer's stack is made again if one changed (an optimizer's step,
+    load_state_dict, .to())."""
+
+    def __init__(self, model):
+        self.sources = {}
+        for name, layer in getattr(model, "layers", {}).items():
+            attn = getattr(layer, "attention", None)
+            linears = [getattr(attn, n, None) for n in ("wq", "wk", "wv")]
+            if getattr(attn, "stacks_qkv", False) and all(_plain(m) for m in linears):
+                self.sources[name] = tuple(linears)
+        self.stacks: dict[str, torch.Tensor] = {}
+        self.stamps: dict[str, tuple] = {}
+
+    def current(self) -> dict[str, torch.Tensor]:
+        """Layer name -> its stacked weight, made again where a source changed since."""
+        for name, linears in self.sources.items():
+            stamp = tuple((m.weight._version, m.weight.data_ptr()) for m in linears)
+            if self.stamps.get(name) != stamp:
+                with torch.no_grad():
+                    self.stacks[name] = torch.cat([m.weight.detach() for m in linears])
+                self.stamps[name] = stamp
+        return self.stacks
+
+
+def _plain(m) -> bool:
+    """A bias-free nn.Linear whose forward is its matmul alone: no hook (a LoRA adapter adds its update
+    in one, models.lora) and no subclass (float8's, a quantized one), so the stacked matmul equals it."""
+    return (type(m) is torch.nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and not torch.nn.modules.module._global_forward_hooks and not torch.nn.modules.module._global_forward_pre_hooks)
+
+
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -139,11 +192,12 @@ def compiled_step(model, graphs: bool):
     key = (graphs,)
     per_model = _COMPILED.setdefault(model, {})
     if key not in per_model:
-        count = [0]
+        count = [0, Counter()]
 
         def backend(gm, example_inputs):
             from torch._inductor.compile_fx import compile_fx  # lazy: inductor loads at the first compile
             count[0] += 1
+            count[1] = Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function")
             # a GPU replays the step as CUDA graphs; a CPU calls its kernels from C++ (inductor's
             # cpp_wrapper: the Python wrapper's ~25 views and checks a layer took half a 16-layer step)
             return compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": graphs, "cpp_wrapper": not graphs})
@@ -158,10 +212,10 @@ def compiled_step(model, graphs: bool):
 
 
 def decode_step(model, view: "StaticCache", packed: torch.Tensor) -> torch.Tensor:
-    """The step compiled: packed [rows, 2 + blocks] (start, token, table) -> logits [rows, V]."""
-    start, tokens, tables = packed[:, 0], packed[:, 1:2], packed[:, 2:]
+    """The step compiled: packed [2 + blocks, rows] (starts, tokens, tables by column) -> logits [rows, V]."""
+    start, tokens, tables = packed[0], packed[1][:, None], packed[2:].T
     positions = start[:, None]
-    view.bind(positions, tables)
+    view.bind(positions, tables, packed)
     logits = model(tokens, positions=positions, cache=view)[:, -1]
     view.bind(None, None)  # (nothing of the step outlives it: no tensor stored for dynamo to return)
     return logits
@@ -176,6 +230,7 @@ class StaticCache:
         self.layers: dict[str, StaticLayer] = {}
         self.model_state: dict = {}
         self.marked = False
+        self.flex = paged.device.type == "cpu"
 
     def layer(self, name: str) -> "StaticLayer":
         return self.layers[name]
@@ -193,12 +248,13 @@ class StaticCache:
                     torch._dynamo.mark_static_address(pool)
         self.marked = True
 
-    def bind(self, positions: torch.Tensor, tables: torch.Tensor) -> None:
+    def bind(self, positions: torch.Tensor, tables: torch.Tensor, packed: torch.Tensor | None = None) -> None:
         """positions [rows, 1], tables [rows, blocks]: the slots each row reads (every position of its
         blocks, in order), the one it writes, and which it may read (<= its position); None: unbound."""
         if tables is None:
-            self.read = self.write = self.write_at = self._mask = None
+            self.read = self.write = self.write_at = self._mask = self.tables = self.packed = self._blocks = None
             return
+        self.tables, self.packed, self._blocks = tables, packed, None
         every = (tables[:, :, None] * BLOCK + torch.arange(BLOCK, device=tables.device)).flatten(1)
         self.read, self.write_at = every, positions
         self.write = every.gather(1, positions).flatten()
@@ -207,6 +263,28 @@ class StaticCache:
 
     def mask(self, n: int, keys: int) -> torch.Tensor:
         return self._mask
+
+    def block_mask(self, slots: int):
+        """FlexAttention's block mask over a pool of `slots` positions, built once a step (every layer
+        reads through the same tables): row r's full blocks are its table's first start // BLOCK, its
+        last block partial (positions up to start % BLOCK). FlexAttention's indices span the whole
+        pool (its CPU kernel asks the KV length's blocks), past each row's count never read."""
+        if self._blocks is None:
+            from torch.nn.attention.flex_attention import BlockMask  # lazy: the static step's trace only
+            tables, packed, start = self.tables, self.packed, self.write_at[:, 0]
+            rows, width = tables.shape
+            n = start // BLOCK + 1
+            full = tables.to(torch.int32)
+            # (the partial block's index, stretched to the pool's width as a view: only the first is read)
+            last = full.gather(1, (n - 1)[:, None]).expand(rows, slots // BLOCK)
+
+            def last_block(b, h, q, kv):  # (q: a row; kv: a pool position. The step's input itself, not
+                return kv % BLOCK <= packed[0, q] % BLOCK  # a view of it: inductor's CPU template takes buffers)
+            self._blocks = BlockMask.from_kv_blocks(
+                torch.ones(1, 1, rows, dtype=torch.int32, device=tables.device), last[None, None],
+                (n - 1).to(torch.int32)[None, None], full[None, None], BLOCK_SIZE=(1, BLOCK),
+                mask_mod=last_block, seq_lengths=(rows, slots), compute_q_blocks=False)  # (no backward)
+        return self._blocks
 
     def query_slots(self, n: int) -> torch.Tensor:
         """[rows, 1]: each new token's index among the keys a layer reads (its position)."""
@@ -219,10 +297,34 @@ class StaticLayer(LayerCache):
     def __init__(self, owner: StaticCache, paged_layer):
         super().__init__(owner)
         self.paged_layer = paged_layer
+        self.qkv = None  # (StackedQKV's, set before each step)
 
-    def _write(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
+    def _store(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
+        """Write the new keys (or values) at their slots -> the pool [K, positions, D]."""
         c, pool = self.owner, getattr(self.paged_layer, name)
         K, _, D = pool.shape
         pool.index_copy_(1, c.write, x_BKLD.transpose(0, 1).reshape(K, -1, D).to(pool.dtype))
+        return pool
+
+    def _write(self, name: str, x_BKLD: torch.Tensor) -> torch.Tensor:
+        c, pool = self.owner, self._store(name, x_BKLD)
+        K, _, D = pool.shape
         R, L = c.read.shape
         return pool.index_select(1, c.read.flatten()).view(K, R, L, D).transpose(0, 1)
+
+    def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
+        """On a CPU FlexAttention over the pools themselves, each row only its own blocks (no gathered
+        copy, no padding read); elsewhere, or a pool of another dtype, SDPA over the gathered view."""
+        c = self.owner
+        if not c.flex or q_BHLD.dtype != self.paged_layer.k.dtype:
+            return super().attend(q_BHLD, k_BKLD, v_BKLD)
+        from torch.nn.attention.flex_attention import flex_attention  # lazy: the static step's trace only
+        pk, pv = self._store("k", k_BKLD), self._store("v", v_BKLD)
+        # the rows as the queries of one sequence, each query its own block of the mask (a batch of rows
+        # over a batch-1 pool is a broadcast that asks rows != 1, which an unbacked batch cannot answer);
+        # the query scaled here, a buffer of its own (inductor's CPU template reads the query's 4 sizes
+        # from the buffer under it, and RoPE's leaves a [.., D / 2, 2] one)
+        q = (q_BHLD * q_BHLD.shape[-1] ** -0.5).transpose(0, 2)
+        out = flex_attention(q, pk[None], pv[None], block_mask=c.block_mask(pk.shape[1]),
+                             scale=1.0, enable_gqa=q_BHLD.shape[1] != pk.shape[0])
+        return out.transpose(0, 2)

@@ -128,6 +128,8 @@ def allowed_keys(L: int, window: int, device, documents) -> torch.Tensor:
 class SinkAttention(Attention):
     """Llama's GQA attention with biases, sinks and this layer's window."""
 
+    stacks_qkv = False  # (its own forward: q, k, v apart, with biases)
+
     def __init__(self, a: GptOssArgs, layer: int):
         super().__init__(a)
         D, bias = a.head_dim, a.attention_bias

@@ -93,6 +93,8 @@ def causal_attention(q_BHLD, k_BKLD, v_BKLD, documents=None):
 
 
 class Attention(nn.Module):
+    stacks_qkv = True  # forward's q, k, v through `project`, which reads a cache's stacked weight
+
     def __init__(self, a: LlamaArgs):
         super().__init__()
         self.head_dim = a.head_dim
@@ -112,9 +114,10 @@ class Attention(nn.Module):
                 positions: torch.Tensor | None = None, cache=None, documents=None) -> torch.Tensor:
         B, L, _ = x_BLE.shape
         # -1 head counts: under tensor parallelism each rank holds a slice of the heads.
-        q_BLHD = apply_rope(self._norm(self.q_norm, self.wq(x_BLE).view(B, L, -1, self.head_dim)), cos, sin, positions)
-        k_BLKD = apply_rope(self._norm(self.k_norm, self.wk(x_BLE).view(B, L, -1, self.head_dim)), cos, sin, positions)
-        v_BLKD = self.wv(x_BLE).view(B, L, -1, self.head_dim)
+        q_, k_, v_ = self.project(x_BLE, cache)
+        q_BLHD = apply_rope(self._norm(self.q_norm, q_.view(B, L, -1, self.head_dim)), cos, sin, positions)
+        k_BLKD = apply_rope(self._norm(self.k_norm, k_.view(B, L, -1, self.head_dim)), cos, sin, positions)
+        v_BLKD = v_.view(B, L, -1, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in (q_BLHD, k_BLKD, v_BLKD))
         # Generation: attend over this layer's KV cache (torchmeg.models.kv_cache) instead.
         if cache is not None:
@@ -123,6 +126,14 @@ class Attention(nn.Module):
             o_BHLD = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
+
+    def project(self, x_BLE: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v: three matmuls, or one where a cache holds their weights stacked (`cache.qkv`:
+        inference's static decode step keeps such a copy, batching.static_decode)."""
+        qkv = getattr(cache, "qkv", None) if cache is not None else None
+        if qkv is None:
+            return self.wq(x_BLE), self.wk(x_BLE), self.wv(x_BLE)
+        return F.linear(x_BLE, qkv).split([self.wq.out_features, self.wk.out_features, self.wv.out_features], -1)
 
     @staticmethod
     def _norm(norm, x):
