@@ -216,3 +216,18 @@ def test_a_decode_step_makes_two_tensors_from_host_data_and_reads_back_once(mode
             engine.step()
         assert (made.uploads, reads.n) == (2, 1), (made.uploads, reads.n)
     assert all(len(j.tokens) == 4 for j in jobs)
+    # every row greedy with nothing to apply (no penalty, no log-probs): the argmax alone, so one tensor
+    # from host data (the step's own), one read; the tokens those of the full sampling path
+    greedy = [Job([9 + i, 6, 7], 6, Sampling(), on_event=lambda *e: None) for i in range(4)]
+    full = [Job([9 + i, 6, 7], 6, Sampling(), on_event=lambda *e: None, presence=1e-30) for i in range(4)]
+    for batch in (greedy, full):
+        engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=4, max_len=64, max_queue=4)
+        for j in batch:
+            engine.submit(j)
+        engine.step()
+        with _HostTensors() as made, HostReads(refuse=False) as reads:
+            engine.step()
+        assert (made.uploads, reads.n) == ((1, 1) if batch is greedy else (2, 1)), (made.uploads, reads.n)
+        while engine.running or engine.waiting:
+            engine.step()
+    assert [j.tokens for j in greedy] == [j.tokens for j in full]

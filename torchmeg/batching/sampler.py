@@ -33,6 +33,8 @@ def sample_and_score(logits: torch.Tensor, jobs: list[Job]) -> tuple[list[int], 
     row's divisor too) and ONE host read: the scores are computed on the device from the sampled
     tokens and read with them, packed as float64 (token ids exactly: < 2^53). Before: the sampled ids
     read, then uploaded again with the rows that asked, their scores read: two uploads more, two syncs."""
+    if all(_plain_greedy(j) for j in jobs):  # (vLLM's all-greedy path: the argmax, nothing uploaded)
+        return host_read(logits.argmax(-1)), [None] * len(jobs)
     tokens, divisor = _sample(logits, jobs)
     want = [i for i, j in enumerate(jobs) if j.logprobs >= 0]
     if not want:
@@ -50,6 +52,13 @@ def sample_and_score(logits: torch.Tensor, jobs: list[Job]) -> tuple[list[int], 
         r, n = rows[i], jobs[i].logprobs
         out[i] = (r[1], [(int(t), v) for t, v in zip(r[2 + width:2 + width + n], r[2:2 + n])])
     return [int(r[0]) for r in rows], out
+
+
+def _plain_greedy(job: Job) -> bool:
+    """Greedy with nothing to apply first (no penalty) and no log-probs asked: its token is the argmax
+    (sample_each's greedy rows give the same: penalties are what it would change the logits by)."""
+    return (job.sampling.temperature == 0 and job.logprobs < 0 and job.repetition == 1
+            and not job.presence and not job.frequency)
 
 
 def next_tokens(logits: torch.Tensor, jobs: list[Job]) -> torch.Tensor:
