@@ -126,10 +126,10 @@ def test_a_static_decode_step_dispatches_a_fraction_of_the_eager_ops(model):
 @pytest.mark.slow
 @pytest.mark.compile
 def test_the_stacked_qkv_follows_the_weights():
-    """The static step's q/k/v weight is a copy (batching.static_decode.StackedQKV): a weight updated
-    in place (an optimizer's step, load_state_dict) is stacked again before the next step, so the
-    engine decodes with the new weights: its tokens are the eager engine's before and after, and
-    change with the weights."""
+    """The static step's q/k/v weight is a copy (batching.static_decode.StackedQKV, one per model,
+    shared by its engines): a weight updated in place (an optimizer's step, load_state_dict) is stacked
+    again, in place, before the next step, so the engine decodes with the new weights: its tokens are
+    the eager engine's before and after, and change with the weights."""
     model = _model()
     prompts = [[3 + i, 40, 41 + i] * (5 + 4 * i) for i in range(4)]
 
@@ -150,10 +150,14 @@ def test_the_stacked_qkv_follows_the_weights():
         for layer in model.layers.values():
             layer.attention.wk.weight.mul_(-3.0)
             layer.attention.wv.weight.add_(0.05)
-    stacked.current()  # (this engine's own copy is made again too)
-    assert all(stacked.stacks[n] is not old[n] for n in old)
-    after, _ = run(True)
+    after, engine = run(True)
     assert after == run(False)[0] and after != before
+    # the model's one set of stacks, copied again in place (the same tensors: a CUDA graph's addresses)
+    assert engine.runner.static.qkv is stacked
+    for name, layer in model.layers.items():
+        a = layer.attention
+        assert stacked.stacks[name] is old[name]
+        assert torch.equal(stacked.stacks[name], torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]))
 
 
 @pytest.mark.slow

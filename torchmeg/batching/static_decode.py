@@ -87,7 +87,7 @@ class StaticDecode:
         self.sizes = capture_sizes(max_seqs)
         self.steps: Counter = Counter()  # decode steps run, by padded size
         self.view = StaticCache(cache)
-        self.qkv = StackedQKV(model)
+        self.qkv = StackedQKV.of(model)
         self._fn, self._compiled = compiled_step(model, graphs)
 
     @property
@@ -132,6 +132,8 @@ class StaticDecode:
             self.view.layers[name].qkv = w
         if self.graphs and not self.view.marked:
             self.view.mark_static()
+            for w in self.qkv.stacks.values():  # (kept at one address, refreshed in place: as the pools)
+                torch._dynamo.mark_static_address(w)
         # (no_grad: the graph is inference's, a caller's grad mode would compile another; RoPE's real form)
         REAL_FORM[0] = True
         try:
@@ -151,8 +153,17 @@ class StackedQKV:
     parallelism and checkpoints). A copy, the size of the three weights (with GQA ~1.5x the query's;
     not the feed-forward's w1/w3, which would cost ~40% of a Llama's weights more), kept in step with
     the model: before each step every source weight's version counter and storage are compared with
-    those it was copied from, and a layer's stack is made again if one changed (an optimizer's step,
-    load_state_dict, .to())."""
+    those it was copied from, and a layer's stack is copied again if one changed (an optimizer's step,
+    load_state_dict, .to()), in place: one set of stacks per model (`of`), shared by every engine over it
+    as the compiled step is, at fixed addresses (a CUDA graph reads them where they were recorded; a
+    new tensor would be a new graph input). A new dtype or device makes a new tensor (a new graph then)."""
+
+    @classmethod
+    def of(cls, model) -> "StackedQKV":
+        """The model's stacks (made at its first static engine)."""
+        if model not in _STACKS:
+            _STACKS[model] = cls(model)
+        return _STACKS[model]
 
     def __init__(self, model):
         self.sources = {}
@@ -170,7 +181,12 @@ class StackedQKV:
             stamp = tuple((m.weight._version, m.weight.data_ptr()) for m in linears)
             if self.stamps.get(name) != stamp:
                 with torch.no_grad():
-                    self.stacks[name] = torch.cat([m.weight.detach() for m in linears])
+                    fresh = torch.cat([m.weight.detach() for m in linears])
+                    kept = self.stacks.get(name)
+                    if kept is not None and (kept.shape, kept.dtype, kept.device) == (fresh.shape, fresh.dtype, fresh.device):
+                        kept.copy_(fresh)
+                    else:
+                        self.stacks[name] = fresh
                 self.stamps[name] = stamp
         return self.stacks
 
@@ -183,6 +199,7 @@ def _plain(m) -> bool:
 
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its StackedQKV
 
 
 def compiled_step(model, graphs: bool):
