@@ -125,16 +125,17 @@ def test_a_static_decode_step_dispatches_a_fraction_of_the_eager_ops(model):
 
 @pytest.mark.slow
 @pytest.mark.compile
-def test_the_stacked_qkv_follows_the_weights():
+def test_the_stacked_qkv_follows_the_weights(model):
     """The static step's q/k/v weight is a copy (batching.static_decode.StackedQKV, one per model,
     shared by its engines): a weight updated in place (an optimizer's step, load_state_dict) is stacked
     again, in place, before the next step, so the engine decodes with the new weights: its tokens are
     the eager engine's before and after, and change with the weights."""
-    model = _model()
     prompts = [[3 + i, 40, 41 + i] * (5 + 4 * i) for i in range(4)]
+    saved = {k: v.clone() for k, v in model.state_dict().items()}  # (the module's model: put back at the end)
 
     def run(static):
-        engine = Engine(model, ByteTokenizer(), "cpu", max_seqs=4, max_len=128, max_queue=4, static_decode=static)
+        # (the pool of the tests above: their compiled step serves this engine too)
+        engine = Engine(model, ByteTokenizer(), "cpu", max_queue=4, static_decode=static, **POOL)
         jobs = [Job(list(p), 12, Sampling(), on_event=lambda *e: None) for p in prompts]
         for j in jobs:
             engine.submit(j)
@@ -146,18 +147,22 @@ def test_the_stacked_qkv_follows_the_weights():
     assert before == run(False)[0]
     stacked = engine.runner.static.qkv
     old = dict(stacked.stacks)
-    with torch.no_grad():
-        for layer in model.layers.values():
-            layer.attention.wk.weight.mul_(-3.0)
-            layer.attention.wv.weight.add_(0.05)
-    after, engine = run(True)
-    assert after == run(False)[0] and after != before
-    # the model's one set of stacks, copied again in place (the same tensors: a CUDA graph's addresses)
-    assert engine.runner.static.qkv is stacked
-    for name, layer in model.layers.items():
-        a = layer.attention
-        assert stacked.stacks[name] is old[name]
-        assert torch.equal(stacked.stacks[name], torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]))
+    try:
+        with torch.no_grad():
+            for layer in model.layers.values():
+                layer.attention.wk.weight.mul_(-3.0)
+                layer.attention.wv.weight.add_(0.05)
+        after, engine = run(True)
+        assert after == run(False)[0] and after != before
+        # the model's one set of stacks, copied again in place (the same tensors: a CUDA graph's addresses)
+        assert engine.runner.static.qkv is stacked
+        for name, layer in model.layers.items():
+            a = layer.attention
+            assert stacked.stacks[name] is old[name]
+            assert torch.equal(stacked.stacks[name], torch.cat([a.wq.weight, a.wk.weight, a.wv.weight]))
+    finally:
+        model.load_state_dict(saved)  # (its version counters move: the next static step stacks them again)
+    assert run(True)[0] == before
 
 
 @pytest.mark.slow
