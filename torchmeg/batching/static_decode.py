@@ -154,16 +154,18 @@ class StackedQKV:
     not the feed-forward's w1/w3, which would cost ~40% of a Llama's weights more), kept in step with
     the model: before each step every source weight's version counter and storage are compared with
     those it was copied from, and a layer's stack is copied again if one changed (an optimizer's step,
-    load_state_dict, .to()), in place: one set of stacks per model (`of`), shared by every engine over it
-    as the compiled step is, at fixed addresses (a CUDA graph reads them where they were recorded; a
-    new tensor would be a new graph input). A new dtype or device makes a new tensor (a new graph then)."""
+    load_state_dict, .to()), in place: one set of stacks per model (`of`, kept beside its compiled
+    step), shared by every engine over it as the compiled step is, at fixed addresses (a CUDA graph
+    reads them where they were recorded; a new tensor would be a new graph input). A new dtype or
+    device makes a new tensor (a new graph then)."""
 
     @classmethod
     def of(cls, model) -> "StackedQKV":
-        """The model's stacks (made at its first static engine)."""
-        if model not in _STACKS:
-            _STACKS[model] = cls(model)
-        return _STACKS[model]
+        """The model's stacks (made at its first static engine; kept with its compiled step)."""
+        per_model = _COMPILED.setdefault(model, {})
+        if "qkv" not in per_model:
+            per_model["qkv"] = cls(model)
+        return per_model["qkv"]
 
     def __init__(self, model):
         self.sources = {}
@@ -180,13 +182,14 @@ class StackedQKV:
         for name, linears in self.sources.items():
             stamp = tuple((m.weight._version, m.weight.data_ptr()) for m in linears)
             if self.stamps.get(name) != stamp:
+                ws = [m.weight.detach() for m in linears]
+                shape = (sum(w.shape[0] for w in ws), ws[0].shape[1])
+                kept = self.stacks.get(name)
                 with torch.no_grad():
-                    fresh = torch.cat([m.weight.detach() for m in linears])
-                    kept = self.stacks.get(name)
-                    if kept is not None and (kept.shape, kept.dtype, kept.device) == (fresh.shape, fresh.dtype, fresh.device):
-                        kept.copy_(fresh)
+                    if kept is not None and (tuple(kept.shape), kept.dtype, kept.device) == (shape, ws[0].dtype, ws[0].device):
+                        torch.cat(ws, out=kept)  # (in place, no temporary: the same address)
                     else:
-                        self.stacks[name] = fresh
+                        self.stacks[name] = torch.cat(ws)
                 self.stamps[name] = stamp
         return self.stacks
 
@@ -199,7 +202,6 @@ def _plain(m) -> bool:
 
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_STACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> its StackedQKV
 
 
 def compiled_step(model, graphs: bool):
@@ -284,8 +286,8 @@ class StaticCache:
     def block_mask(self, slots: int):
         """FlexAttention's block mask over a pool of `slots` positions, built once a step (every layer
         reads through the same tables): row r's full blocks are its table's first start // BLOCK, its
-        last block partial (positions up to start % BLOCK). FlexAttention's indices span the whole
-        pool (its CPU kernel asks the KV length's blocks), past each row's count never read."""
+        last block partial (positions up to start % BLOCK). Its CPU kernel asks the partial blocks'
+        indices to span the pool's blocks: a stride-0 view of each row's last block (only the first read)."""
         if self._blocks is None:
             from torch.nn.attention.flex_attention import BlockMask  # lazy: the static step's trace only
             tables, packed, start = self.tables, self.packed, self.write_at[:, 0]

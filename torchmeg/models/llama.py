@@ -126,7 +126,6 @@ class Attention(nn.Module):
             o_BHLD = self.sdpa(q, k, v) if documents is None else self.sdpa(q, k, v, documents=documents)
         return self.wo(o_BHLD.transpose(1, 2).reshape(B, L, -1))
 
-
     def project(self, x_BLE: torch.Tensor, cache=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v: three matmuls, or one where a cache holds their weights stacked (`cache.qkv`:
         inference's static decode step keeps such a copy, batching.static_decode)."""
