@@ -4,6 +4,7 @@ eager engine on the same requests: the same tokens (fp32: equal; bf16: within th
 compile over a 200-request mix of batch sizes, lengths, preemptions, sampling and penalties, and the
 CPU shadow of a GPU's launches: the ATen ops a decode step dispatches.
 """
+import os
 import random
 
 import pytest
@@ -235,6 +236,22 @@ def test_hf_and_tensor_parallel_models_keep_the_eager_step():
     assert static_decode(NS(enforce_eager=True, static_decode="on"), llama, torch.device("cpu")) is False
     with pytest.raises(ConfigError, match="--static-decode on: not for this model"):
         static_decode(args, hf_like, torch.device("cpu"))
+
+
+def test_the_servers_static_step_keeps_its_kernels_in_this_isas_cache(tmp_path, monkeypatch):
+    """The server's static step compiles into this ISA's own inductor cache (parallel.compile.setup, as
+    training's compiles): torch's cache does not key on ATEN_CPU_CAPABILITY, and a 16-layer step whose
+    kernels a native run had written stopped, run with ATen at AVX2, at an index past the pool. The
+    eager engine leaves the cache where it was."""
+    from types import SimpleNamespace as NS
+    from torchmeg.parallel.compile import isa_tag
+    from torchmeg.serving.cli import static_step
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cfg, llama = load_config("recipes/debug_llama.toml", []), _model()
+    assert static_step(NS(enforce_eager=False, static_decode="off"), cfg, llama, torch.device("cpu")) is False
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    assert static_step(NS(enforce_eager=False, static_decode="on"), cfg, llama, torch.device("cpu")) is True
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.join(str(tmp_path), isa_tag())
 
 
 @pytest.mark.slow

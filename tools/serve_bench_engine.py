@@ -29,7 +29,10 @@ def engine_runner(args, rest):
     cli.size_engine(a, loaded.built.model, loaded.device)  # the server's dtype and slot length
     max_len = a.max_model_len
 
-    default_static = cli.static_decode(a, loaded.built.model, loaded.device)
+    default_static = cli.static_step(a, cfg, loaded.built.model, loaded.device)
+    if "static" in args.decode and not default_static:  # (forced: its kernels in this ISA's cache too)
+        from torchmeg.parallel.compile import setup  # lazy: only when the static step runs
+        setup(cfg.compile.cache_dir)
 
     def run_engine(bodies: list[dict], concurrency: int, profile: bool = False, decode: str = "") -> dict:
         static = default_static if not decode else decode == "static"

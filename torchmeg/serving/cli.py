@@ -32,6 +32,7 @@ from torchmeg.data.tokenizer import build_tokenizer
 from torchmeg.inference.generate import inference_config
 from torchmeg.inference.kv_replicas import replicate_kv_heads
 from torchmeg.inference.trained import load_trained
+from torchmeg.parallel.compile import setup as compile_setup
 from torchmeg.runtime import guard
 from torchmeg.runtime import process as runtime
 from torchmeg.serving.kv_budget import agreed_budget, budget_bytes, pool_size
@@ -119,7 +120,7 @@ def run(prepared) -> None:
     # (the queue is bounded by the API process, which sees every request first)
     engine = Engine(model, loaded.tokenizer, device, a.max_seqs, a.max_model_len, a.max_seqs + a.max_queue,
                     a.prefill_tokens, channel=channel, prefix_caching=a.prefix_caching, num_blocks=a.num_blocks,
-                    static_decode=static_decode(a, model, device))
+                    static_decode=static_step(a, cfg, model, device))
     a.kv_bytes = engine.reserve()
     if rank != 0:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then tells us to stop
@@ -144,6 +145,16 @@ def static_decode(a, model, device: torch.device) -> bool:
     if a.static_decode == "on" and why:
         raise ConfigError(f"--static-decode on: not for this model ({why}); leave it at auto")
     return not why and (a.static_decode == "on" or device.type == "cuda")
+
+
+def static_step(a, cfg, model, device: torch.device) -> bool:
+    """static_decode's answer; when yes, the compiled step's kernels are kept in this ISA's own inductor
+    cache (parallel.compile.setup, as training's and generate's compiles are): a cache written by a
+    native run and read by a run with ATen at AVX2 stopped the step at an index past the pool."""
+    static = static_decode(a, model, device)
+    if static:
+        compile_setup(cfg.compile.cache_dir)
+    return static
 
 
 def size_engine(a, model, device: torch.device) -> torch.dtype:
