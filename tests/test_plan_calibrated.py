@@ -51,10 +51,21 @@ def test_an_op_is_priced_from_the_measured_points_nearest_it():
     mid = by_shape.op_seconds(2 * 400 ** 3, 0, "float32", "matmul@400x400x400")
     assert 2 * 400 ** 3 / 1e11 < mid < 2 * 400 ** 3 / 1e10
     comm = Calibration({**_table(1e11, 1e10), "collectives": {"all_gather": [[2 ** 20, 2e-3], [65536, 1e-3]],
-                                                               "overlap": 0.5}})
-    got = comm.comm_seconds({"dp_shard/all_gather": {"count": 2, "bytes": 2 * 2 ** 21},
-                             "pp/all_to_all": {"count": 1, "bytes": 65536}})
+                                                               "overlap": 0.5, "after_work_s": 0.002}})
+    assert set(comm.collectives) == {"all_gather"} and comm.overlap == 0.5  # (how it was timed is not a table)
+    traffic = {"dp_shard/all_gather": {"count": 2, "bytes": 2 * 2 ** 21}, "pp/all_to_all": {"count": 1, "bytes": 65536},
+               "tp/all_gather": {"count": 1, "bytes": 2 ** 20}}
+    got = comm.comm_seconds(traffic)
     assert got["dp_shard/all_gather"] == pytest.approx(2 * 4e-3) and got["pp/all_to_all"] == pytest.approx(1e-3)
+    assert got["tp/all_gather"] == pytest.approx(2e-3)  # (no functional table: c10d's)
+    comm.collectives["dtensor/all_gather"] = [[65536, 2e-3], [2 ** 20, 5e-3]]
+    comm.collectives["functional/all_to_all"] = [[65536, 3e-3]]
+    traffic["ep/all_to_all"] = {"count": 1, "bytes": 65536}
+    got = comm.comm_seconds(traffic)  # tensor parallel's through DTensor: its table; expert's functional; FSDP's c10d's
+    assert got["tp/all_gather"] == pytest.approx(5e-3) and got["dp_shard/all_gather"] == pytest.approx(2 * 4e-3)
+    assert got["ep/all_to_all"] == pytest.approx(3e-3) and got["pp/all_to_all"] == pytest.approx(1e-3)
+    # a group of one rank (the loss over dp x cp = 1) waits for no one: free, not the table's latency
+    assert comm.comm_seconds({"dp_cp/all_reduce": {"count": 2, "bytes": 40, "ranks": 1}}) == {"dp_cp/all_reduce": 0.0}
     by = cal.compute_seconds([(0, 1e6, "add", "memory", 0, 0)] * 3 + [(0, 0, None, "subclass", 0, 0)], compiled=True)
     assert by["memory"] == 0.0 and by["dispatch"] == 0.0  # fused away: no traffic, no kernel to dispatch
     # a fused silu keeps its arithmetic (4x a copy's time at its bytes: 3e-4 beyond the copy) and moves its
@@ -63,6 +74,89 @@ def test_an_op_is_priced_from_the_measured_points_nearest_it():
     assert by["memory"] == pytest.approx(3e-4 + 5e-5) and by["dispatch"] == pytest.approx(1e-5)
     by = cal.compute_seconds([(0, 1e6, "add", "memory", 1e6, 0)] * 3, compiled=False)
     assert by["dispatch"] == pytest.approx(3e-5) and cal.step_compute(by) == pytest.approx(3e-4 + 3e-5)
+
+
+def test_a_pipelines_scalar_reductions_run_once_after_its_schedule():
+    """The bubble stretches what runs inside the schedule (the stages' compute, their p2p, their tensor-parallel
+    collectives); the loss's and the gradient norm's all-reduces over the stages and the data-parallel ranks
+    run once after it: a 2-stage 1F1B of 2 microbatches (bubble 0.5) pays them once, not 1.5 times."""
+    from torchmeg.plan.predict import _step
+    comm = {"pp/send": 0.1, "pp/recv": 0.0, "tp/all_reduce": 0.05, "pp/all_reduce": 0.2, "dp_cp/all_reduce": 0.1}
+    step, exposed, _, _ = _step(1.0, comm, 0.5)
+    assert exposed == pytest.approx(0.45) and step == pytest.approx((1.0 + 0.15) * 1.5 + 0.3)
+    assert _step(1.0, comm, 0.0)[0] == pytest.approx(1.45)  # (no pipeline: the same sum)
+
+
+def test_a_pipelines_step_follows_each_stages_own_time():
+    """Stages of unequal work (the last holds the output layer and the loss): the schedule's order played
+    out with each rank's own busy seconds. 2-stage 1F1B, 2 microbatches: the last stage's T1 = 150, the
+    first's T0 = 120 take T1 + T0 / 2 = 210 (rank 0 waits for rank 1's backward; rank 1 idles for one forward
+    of rank 0's), not 1.5 x T1 = 225; equal stages keep the schedule's bubble. Outside the schedule (a scalar
+    all-reduce: 7) stays added once; each rank's bubble becomes its own idle share."""
+    from torchmeg.parallel.pipeline_order import makespan, one_f_one_b
+    from torchmeg.plan.predict import stage_times
+    assert makespan(one_f_one_b(2, 2), [120.0, 150.0]) == pytest.approx(210.0)
+    assert makespan(one_f_one_b(2, 2), [150.0, 150.0]) == pytest.approx(225.0)
+    assert makespan(one_f_one_b(4, 8), [100.0] * 4) == pytest.approx(100 * (1 + 3 / 8))  # (the schedule's own bubble)
+
+    def row(pp_rank, busy):  # (a rank as predict returns it: its step the busy time stretched, plus 7 outside)
+        step = busy * 1.5 + 7.0
+        return {"pp_rank": pp_rank, "bubble": 0.5, "pipeline": {"schedule": "1F1B", "microbatches": 2},
+                "busy_s": busy, "step_s": step, "mfu": 0.3, "predicted_busy_s": busy, "predicted_step_s": step,
+                "predicted_mfu": 0.3}
+    rows = [row(1, 150.0), row(0, 120.0)]
+    stage_times(rows, 2)
+    assert [r["predicted_step_s"] for r in rows] == pytest.approx([217.0, 217.0])
+    assert rows[0]["step_s"] == pytest.approx(217.0) and rows[0]["predicted_mfu"] == pytest.approx(0.3 * 232 / 217)
+    assert rows[0]["bubble"] == pytest.approx(210 / 150 - 1) and rows[1]["bubble"] == pytest.approx(210 / 120 - 1)
+    lone = [row(0, 100.0)]
+    stage_times(lone, 1)  # (no pipeline: unchanged)
+    assert lone[0]["predicted_step_s"] == pytest.approx(157.0)
+
+
+def test_each_collective_is_timed_after_work_as_a_step_makes_it(monkeypatch):
+    """`--calibrate` times every collective after a rank's own work (calibrate.step_work: a matmul chain),
+    not back to back: a call after compute costs more on a CPU (a 2 MiB gloo all-gather 2.2 ms back to back,
+    2.8-3.3 after matmuls). The work runs before each timed call and is not in its time: `seconds` with a
+    10 ms `before` times a no-op at well under it; `collectives` (one gloo rank) runs the work before every
+    call it times, says so in the table, and measures tensor parallel's gathers and reduce-scatters through
+    DTensor's redistribute and the all-to-all through the functional collective."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from torchmeg.plan import calibrate
+    from torchmeg.plan.timing import seconds
+    calls = []
+
+    def before():
+        calls.append("work")
+        time.sleep(0.01)
+    t = seconds(lambda: calls.append("call"), torch.device("cpu"), 0.05, mean=True, before=before)
+    assert t < 0.005 and calls[:2] == ["call", "work"], (t, calls[:4])  # (one warm-up call, then work, call, ...)
+    assert all(a == "work" and b == "call" for a, b in zip(calls[1::2], calls[2::2])) and len(calls) >= 11
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        ran = []
+        work = calibrate.step_work(torch.device("cpu"), 1e-4)
+        monkeypatch.setattr(calibrate, "step_work", lambda device: lambda: ran.append(work()))
+        monkeypatch.setattr(calibrate, "overlap", lambda device: 0.0)
+        monkeypatch.setattr(calibrate, "COMM_MIN_TIME", 0.0)  # (5 calls a point)
+        out = calibrate.collectives(torch.device("cpu"), longest=1e-9, budget=0.0)
+    finally:
+        dist.destroy_process_group()
+    points = sum(len(v) for k, v in out.items() if isinstance(v, list))
+    assert out["after_work_s"] == calibrate.WORK_S and points >= 7
+    assert all(out[k] for k in ("dtensor/all_gather", "dtensor/reduce_scatter", "functional/all_to_all"))
+    assert len(ran) >= 5 * points, (len(ran), points)  # (each point: a work before each of its >= 5 timed calls)
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_bytes_read_long_after_they_were_written_are_priced_at_drams_rate():

@@ -251,7 +251,7 @@ def main() -> None:
                       f"compiled in all, decode steps by padded size {r['steps_by_size']}")
         for r in rows:
             if "most_running" in r:  # (--engine: the paged KV pool's use)
-                print(f"KV pool {r['set']} at concurrency {r['concurrency']}: {r['kv_blocks']:,} blocks of 16, at most "
+                print(f"KV pool {r['set']} at concurrency {r['concurrency']}: {r['kv_blocks']:,} blocks of {r['kv_block_size']}, at most "
                       f"{r['most_running']} sequences at once, {r['preemptions']} preemptions, "
                       f"{r['kv_positions_written']:,} positions written")
         for line in peers:

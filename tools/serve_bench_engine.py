@@ -75,7 +75,8 @@ def engine_runner(args, rest):
             run_engine.profile = write_profile(args.profile, concurrency, steps, profiler)
         progress(f"{len(bodies)} requests at concurrency {concurrency}: {wall:.1f} s")
         kv = dict(most_running=most, preemptions=engine.scheduler.preemptions, kv_blocks=engine.pool.usable,
-                  kv_positions_written=engine.cache.written, decode="static" if static else "eager")
+                  kv_block_size=engine.pool.block_size, kv_positions_written=engine.cache.written,
+                  decode="static" if static else "eager")
         if static:  # (the compiled step's graphs so far, the decode steps by padded size; why it fell back, if it did)
             st = engine.runner.static
             kv.update(compiles=st.compiles if st else 0, steps_by_size=dict(st.steps) if st else {},

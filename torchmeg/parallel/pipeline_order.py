@@ -57,8 +57,9 @@ def torch_actions(schedule: str, pp: int, m: int, v: int | None):
     return out
 
 
-def simulate(actions):
-    """-> per rank list of (start, end, kind, stage, mb); raises if the order deadlocks."""
+def simulate(actions, scale=None):
+    """-> per rank list of (start, end, kind, stage, mb); raises if the order deadlocks. `scale`: per rank,
+    the seconds of one unit of its actions (its stages' own speed), else every rank's unit is 1."""
     n_stages = 1 + max(s for row in actions for _, s, _ in row)
     done: dict = {}
     free = [0] * len(actions)
@@ -79,7 +80,7 @@ def simulate(actions):
                 deps = [("bwd", s, i)]
             if all(d in done for d in deps):
                 start = max([free[r]] + [done[d] for d in deps])
-                end = start + DUR[kind]
+                end = start + DUR[kind] * (scale[r] if scale else 1)
                 timeline[r].append((start, end, kind, s, i))
                 done[(kind, s, i)] = end
                 if kind in ("B", "I"):
@@ -124,6 +125,15 @@ def held_peak_and_grads(row, stages: dict) -> tuple[int, int]:
                 held += grads
                 made.add(s)
     return peak
+
+
+def makespan(actions, busy) -> float:
+    """The schedule's length when rank r's actions take busy[r] in all (each action its share by its
+    units: a backward twice a forward): stages of unequal work, as a pipeline's first and last are (the
+    embedding; the output layer and the loss), wait on the slowest only where the order makes them."""
+    units = [sum(DUR[k] for k, _, _ in row) or 1 for row in actions]
+    timeline = simulate(actions, [b / u for b, u in zip(busy, units)])
+    return max((e for row in timeline for _, e, *_ in row), default=0.0)
 
 
 def bubble(timeline) -> float:

@@ -25,6 +25,11 @@ from collections import Counter
 
 from torchmeg.config.errors import ConfigError
 
+# mesh dimensions whose collectives are functional collectives (DTensor's redistribute under tensor parallel,
+# torchmeg.parallel.context and .expert): priced from the calibration's tables of them where it has one
+# (tensor parallel's gathers and reduce-scatters `dtensor/<kind>`, through DTensor's redistribute; the
+# all-to-all `functional/all_to_all`), else from c10d's
+FUNCTIONAL_DIMS = ("tp", "cp", "ep", "ep_tp")
 SHAPE_NEIGHBOURS = 3  # a shaped matmul's rate from this many measured shapes nearest in log (M, N, K)
 
 
@@ -77,7 +82,8 @@ class Calibration:
                        for name, pts in data["memory"].items()}
         # (as measured, not smoothed: gloo's all-reduce of 4-16 KiB takes ~3 ms where 64 KiB takes 0.6, and a
         # TP step's 90 small all-reduces pay it)
-        self.collectives = {k: sorted(v) for k, v in data.get("collectives", {}).items() if k != "overlap"}
+        self.collectives = {k: sorted(v) for k, v in data.get("collectives", {}).items()
+                            if k not in ("overlap", "after_work_s")}
         self.overlap = data.get("collectives", {}).get("overlap", 1.0)
         # the last-level cache one rank has (torchmeg.plan.reuse): 0 in a calibration from before it was recorded
         self.cache_bytes = data.get("cache_bytes", 0)
@@ -164,13 +170,17 @@ class Calibration:
         return work + by_class["dispatch"] if self.host_serial else max(work, by_class["dispatch"])
 
     def comm_seconds(self, comm: dict) -> dict[str, float]:
-        """'mesh dim/collective' -> seconds: each call's buffer looked up in the measured kind's table."""
+        """'mesh dim/collective' -> seconds: each call's buffer looked up in the measured kind's table (a
+        dimension whose collectives are functional ones, its kind's functional table where measured)."""
         out = {}
         for key, c in comm.items():
-            kind = key.split("/")[-1]
+            dim, kind = key.split("/")[0], key.split("/")[-1]
             # (a kind not measured: an all-gather's time for its buffer, never free)
-            table = self.collectives.get("send" if kind in ("send", "recv") else kind) or self.collectives.get("all_gather")
-            if not c["count"] or not table:
+            table = ((self.collectives.get(f"dtensor/{kind}") if dim == "tp" else None)
+                     or (self.collectives.get(f"functional/{kind}") if dim in FUNCTIONAL_DIMS else None)
+                     or self.collectives.get("send" if kind in ("send", "recv") else kind)
+                     or self.collectives.get("all_gather"))
+            if not c["count"] or not table or c.get("ranks", 2) < 2:  # (a group of one rank: nothing to wait for)
                 out[key] = 0.0
                 continue
             if kind == "recv":  # (a pair's time is counted once, at the sender)

@@ -200,6 +200,7 @@ def pipeline_ranks(cfg, layout: Layout, meas: dict, pp_ranks: list[int]) -> list
                  report=meas["report"], traced_layers=meas["traced_layers"],
                  stages_traced=[s_rank for s_rank, s_built in zip(ids, stage_ids) if s_built in meas["stages_traced"]],
                  pipeline={"schedule": sched, "microbatches": n_micro, "microbatch_seqs": mb, "bubble": bub,
+                           "stages_per_rank": v_multi,
                            "stage_activation_bytes": {s: st["act"] for s, st in mine.items()},
                            "stage_kept_bytes": {s: st["kept"] for s, st in mine.items()},
                            "stage_recv_buffer_bytes": {s: st["recv_bytes"] for s, st in mine.items()},

@@ -18,7 +18,7 @@ from torchmeg.plan.dry_run import forget, prepare, run_jobs
 from torchmeg.plan.memory import activation_bytes
 from torchmeg.plan.post_training import rollout_peak_bytes
 from torchmeg.plan.gpus import target
-from torchmeg.plan.predict import predict
+from torchmeg.plan.predict import predict, stage_times
 from torchmeg.train.validate import validate
 
 
@@ -122,6 +122,7 @@ def finish_plan(p: Prepared, pieces: dict, wall: float, isolate: bool = False) -
             "stages_traced": r.get("stages_traced"),  # (PP: a stage equal to one traced reads its numbers)
             # GRPO: the rollout's own peak (torchmeg.plan.post_training); the peak above is the larger phase's
             "rollout_peak_bytes": rollout_peak_bytes(r.get("memory_phases") or {}), **pred})
+    stage_times(rows, dims.pp)
     step = max(x["step_s"] for x in rows)
     pred = max(x["predicted_step_s"] for x in rows)
     whole = p.whole

@@ -22,7 +22,8 @@ reduce-scatters that torch's pass fuses with a matmul run inside it (async_tp_ex
 stay exposed (fused_fractions). Each collective's exposed
 seconds: `predicted_comm_exposed_by`.
 Pipeline: the bubble of the schedule's own action order (torchmeg.parallel.pipeline_order)
-stretches the per-rank busy time.
+stretches the per-rank busy time; the reductions of the step's scalars over the stages and the
+data-parallel ranks (the loss, the gradient norm: AFTER_SCHEDULE) run once after it, unstretched.
 Memory: the tracker's peak over the step plus the caching allocator's slack (fragmentation,
 assumed 10%: PyTorch's caching allocator typically reserves 5-15% above live tensors) and a fixed 2 GiB for the CUDA context, NCCL
 buffers and workspace; the plan fits when that is within the GPU's memory.
@@ -33,6 +34,7 @@ from torchmeg.plan.efficiency import END_TO_END
 from torchmeg.plan.gpus import GPU
 
 OVERLAPPED = ("dp_shard", "dp_shard_cp", "dp_replicate", "dp", "cp", "efsdp")
+AFTER_SCHEDULE = ("pp", "dp_cp")
 ALLOCATOR_SLACK = 0.10
 RUNTIME_BYTES = 2 * 2 ** 30
 
@@ -114,7 +116,37 @@ def _step(t_compute: float, comm: dict, bubble: float, async_tp: tuple | None = 
         if k.split("/")[0] in OVERLAPPED:
             shown[k] = excess * t / overlapped
     exposed = sum(t for k, t in shown.items() if k.split("/")[0] not in OVERLAPPED)
-    return (t_compute + exposed) * (1 + bubble) + excess, exposed, overlapped, shown
+    outside = outside_schedule(shown)
+    return (t_compute + exposed + excess - outside) * (1 + bubble) + outside, exposed, overlapped, shown
+
+
+def outside_schedule(shown: dict) -> float:
+    """Seconds of a rank's step a pipeline's bubble does not stretch: its reductions of the step's scalars (the
+    loss over the stages and the data-parallel ranks, the gradient norm over the stages), run once after its
+    schedule, and FSDP's traffic beyond the compute that hides it."""
+    return sum(t for k, t in shown.items() if k.split("/")[0] in OVERLAPPED
+               or (k.split("/")[0] in AFTER_SCHEDULE and k.split("/")[-1] not in ("send", "recv")))
+
+
+def stage_times(rows: list[dict], pp: int) -> None:
+    """A pipeline's step from its stages' own times (in place): the schedule's order played out with each
+    rank's busy seconds (pipeline_order.makespan) instead of every rank at the slowest one's with the
+    schedule's bubble. A 2-stage 1F1B of 2 microbatches whose last stage works T1 and first T0 < T1 takes
+    T1 + T0 / 2, not 1.5 T1. Each rank's `bubble` becomes its own idle share of the schedule."""
+    by_pp = sorted(rows, key=lambda r: r["pp_rank"])
+    pipe = by_pp[0].get("pipeline") if by_pp else None
+    if not pipe or pp < 2 or [r["pp_rank"] for r in by_pp] != list(range(pp)):
+        return
+    from torchmeg.parallel.pipeline_order import makespan, torch_actions  # lazy: pipelines only
+    actions = torch_actions(pipe["schedule"], pp, pipe["microbatches"], pipe.get("stages_per_rank"))
+    for step, busy, mfu in (("step_s", "busy_s", "mfu"), ("predicted_step_s", "predicted_busy_s", "predicted_mfu")):
+        span = makespan(actions, [r[busy] for r in by_pp])
+        for r in by_pp:
+            new = span + r[step] - r[busy] * (1 + r["bubble"])  # (what runs outside the schedule: as it was)
+            r[mfu] = r[mfu] * r[step] / new if new > 0 else r[mfu]
+            r[step] = new
+            if step == "predicted_step_s" and r[busy] > 0:
+                r["bubble"] = span / r[busy] - 1
 
 
 def fused_fractions(comm: dict) -> dict[str, float]:
@@ -149,7 +181,7 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     bubble = (rank.get("pipeline") or {}).get("bubble", 0.0)
     async_tp = cfg.parallelism.enable_async_tensor_parallel and dims.tp > 1
     fused = fused_fractions(rank["comm"])
-    step, exposed, overlapped, _ = _step(t_compute, comm, bubble, (t_flop, dims.tp, fused) if async_tp else None)
+    step, exposed, overlapped, roof_shown = _step(t_compute, comm, bubble, (t_flop, dims.tp, fused) if async_tp else None)
     cal = gpu.calibration
     if cal is not None:  # what the device measured, op by op (torchmeg.plan.calibrated): no fitted factor
         by_class = cal.compute_seconds(rank["ops"], compiled)
@@ -171,7 +203,8 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]
     need = mem * (1 + ALLOCATOR_SLACK) + RUNTIME_BYTES
-    return {"step_s": step, "compute_s": t_compute, "compute_flop_bound_s": t_flop, "compute_memory_bound_s": t_mem,
+    return {"step_s": step, "busy_s": (step - outside_schedule(roof_shown)) / (1 + bubble),
+            "predicted_busy_s": (pred_step - outside_schedule(shown)) / (1 + bubble), "compute_s": t_compute, "compute_flop_bound_s": t_flop, "compute_memory_bound_s": t_mem,
             "comm_exposed_s": exposed, "comm_overlapped_s": overlapped, "bubble": bubble,
             "comm_s": comm, "mfu": model_flops_per_rank / (step * peak) if step else 0.0,
             "predicted_step_s": pred_step, "predicted_compute_s": by_class, "predicted_comm_exposed_s": pred_exposed,

@@ -50,27 +50,36 @@ def _barrier():
         dist.barrier()
 
 
-def seconds(fn, device, min_time: float = MIN_TIME, mean: bool = False) -> float:
+def seconds(fn, device, min_time: float = MIN_TIME, mean: bool = False, before=None) -> float:
     """The median time of one call of fn (after one warm-up call), timed over >= min_time or 5 calls,
     or with `mean` the mean: what a step that makes many such calls pays where their times have a long
     tail (gloo's collectives on a CPU whose ranks fill its cores: a 4 KB all-reduce's median 0.47 ms,
     its mean 1.8 ms, a tenth of the calls over 4 ms, the scheduler's tick, measured 2026-12-07 on
     this 2-core machine; in a TP 2 step after compute the same: 1.4-1.5 ms a call on average).
+    `before`, if given, runs ahead of every call, untimed (its time counts toward min_time): a call
+    as a step makes it, after work of its own (calibrate.collectives).
     Every rank times at once, the same number of calls; the mean over the ranks is returned."""
     _barrier()
     fn()
     _sync(device)
     t0 = time.perf_counter()
+    if before is not None:
+        before()
+        _sync(device)
+    t1 = time.perf_counter()
     fn()
     _sync(device)
-    one = max(time.perf_counter() - t0, 1e-7)
-    reps = max(5, min(200, int(min_time / one)))
+    one = max(time.perf_counter() - t1, 1e-7)
+    reps = max(5, min(200, int(min_time / (one + t1 - t0))))
     if dist.is_initialized():  # (every rank the same count: fn may be a collective)
         agreed = torch.tensor([reps])
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
         reps = int(agreed.item())
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
+            _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
