@@ -115,7 +115,7 @@ def test_a_pipelines_step_follows_each_stages_own_time():
 
 
 def test_each_collective_is_timed_after_work_as_a_step_makes_it(monkeypatch):
-    """`--calibrate` times every collective after a rank's own work (calibrate.step_work: a matmul chain),
+    """`--calibrate` times every collective after a rank's own work (calibrate_comm.step_work: a matmul chain),
     not back to back: a call after compute costs more on a CPU (a 2 MiB gloo all-gather 2.2 ms back to back,
     2.8-3.3 after matmuls). The work runs before each timed call and is not in its time: `seconds` with a
     10 ms `before` times a no-op at well under it; `collectives` (one gloo rank) runs the work before every
@@ -126,7 +126,7 @@ def test_each_collective_is_timed_after_work_as_a_step_makes_it(monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from torchmeg.plan import calibrate
+    from torchmeg.plan import calibrate_comm
     from torchmeg.plan.timing import seconds
     calls = []
 
@@ -139,15 +139,15 @@ def test_each_collective_is_timed_after_work_as_a_step_makes_it(monkeypatch):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
     try:
         ran = []
-        work = calibrate.step_work(torch.device("cpu"), 1e-4)
-        monkeypatch.setattr(calibrate, "step_work", lambda device: lambda: ran.append(work()))
-        monkeypatch.setattr(calibrate, "overlap", lambda device: 0.0)
-        monkeypatch.setattr(calibrate, "COMM_MIN_TIME", 0.0)  # (5 calls a point)
-        out = calibrate.collectives(torch.device("cpu"), longest=1e-9, budget=0.0)
+        work = calibrate_comm.step_work(torch.device("cpu"), 1e-4)
+        monkeypatch.setattr(calibrate_comm, "step_work", lambda device: lambda: ran.append(work()))
+        monkeypatch.setattr(calibrate_comm, "overlap", lambda device: 0.0)
+        monkeypatch.setattr(calibrate_comm, "COMM_MIN_TIME", 0.0)  # (5 calls a point)
+        out = calibrate_comm.collectives(torch.device("cpu"), longest=1e-9, budget=0.0)
     finally:
         dist.destroy_process_group()
     points = sum(len(v) for k, v in out.items() if isinstance(v, list))
-    assert out["after_work_s"] == calibrate.WORK_S and points >= 7
+    assert out["after_work_s"] == calibrate_comm.WORK_S and points >= 7
     assert all(out[k] for k in ("dtensor/all_gather", "dtensor/reduce_scatter", "functional/all_to_all"))
     assert len(ran) >= 5 * points, (len(ran), points)  # (each point: a work before each of its >= 5 timed calls)
 

@@ -203,8 +203,10 @@ def predict(rank: dict, cfg, dims, gpu: GPU, model_flops_per_rank: float) -> dic
     peak = gpu.peak(dtype)
     mem = rank["memory"]["Total"]
     need = mem * (1 + ALLOCATOR_SLACK) + RUNTIME_BYTES
+    # (the part of each step inside a pipeline's schedule, before the bubble: stage_times replays it)
     return {"step_s": step, "busy_s": (step - outside_schedule(roof_shown)) / (1 + bubble),
-            "predicted_busy_s": (pred_step - outside_schedule(shown)) / (1 + bubble), "compute_s": t_compute, "compute_flop_bound_s": t_flop, "compute_memory_bound_s": t_mem,
+            "predicted_busy_s": (pred_step - outside_schedule(shown)) / (1 + bubble),
+            "compute_s": t_compute, "compute_flop_bound_s": t_flop, "compute_memory_bound_s": t_mem,
             "comm_exposed_s": exposed, "comm_overlapped_s": overlapped, "bubble": bubble,
             "comm_s": comm, "mfu": model_flops_per_rank / (step * peak) if step else 0.0,
             "predicted_step_s": pred_step, "predicted_compute_s": by_class, "predicted_comm_exposed_s": pred_exposed,

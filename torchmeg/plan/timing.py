@@ -57,7 +57,7 @@ def seconds(fn, device, min_time: float = MIN_TIME, mean: bool = False, before=N
     its mean 1.8 ms, a tenth of the calls over 4 ms, the scheduler's tick, measured 2026-12-07 on
     this 2-core machine; in a TP 2 step after compute the same: 1.4-1.5 ms a call on average).
     `before`, if given, runs ahead of every call, untimed (its time counts toward min_time): a call
-    as a step makes it, after work of its own (calibrate.collectives).
+    as a step makes it, after work of its own (calibrate_comm.collectives).
     Every rank times at once, the same number of calls; the mean over the ranks is returned."""
     _barrier()
     fn()
