@@ -162,7 +162,7 @@ def test_the_plan_traces_the_update_a_gpu_runs(layout, tmp_path, monkeypatch):
     (2, ["--parallelism.tensor_parallel_degree=2"], "local")], ids=["fsdp2", "tp2_fsdp2", "pp2_fsdp2_bf16", "tp2"])
 def test_the_update_runs_on_local_shards_with_the_same_numbers(world, layout, on, tmp_path, monkeypatch):
     """The traced update runs on the DTensors' local shards where DTensor would run it there with no
-    collective (plan.trace_step.on_local_shards: DTensor's sharding propagation of the foreach ops is
+    collective (plan.local_update.on_local_shards: DTensor's sharding propagation of the foreach ops is
     most of an update's trace time), and the plan is the one DTensor's own update gives, every number
     of it: each traced step writes down whether the update's parameters were DTensors, with the
     shortcut on and off."""
@@ -181,7 +181,7 @@ def test_the_update_runs_on_local_shards_with_the_same_numbers(world, layout, on
     plans = {}
     for how in ("on", "off"):
         if how == "off":
-            monkeypatch.setattr(trace_step, "on_local_shards", lambda opt: contextlib.nullcontext())
+            monkeypatch.setattr(trace_step, "on_local_shards", lambda opt, cost=None: contextlib.nullcontext())
         plans[how] = plan(load_config(RECIPE, layout), world, "h100", isolate=True)
         assert set(ran.read_text().split()) == {on if how == "on" else "dtensor"}, how
         ran.unlink()

@@ -5,6 +5,7 @@ the run (memory within 10%; its times are reported, never asserted: docs/plannin
 """
 import json
 import math
+import contextlib
 import os
 import sys
 
@@ -150,6 +151,45 @@ def test_each_collective_is_timed_after_work_as_a_step_makes_it(monkeypatch):
     assert out["after_work_s"] == calibrate_comm.WORK_S and points >= 7
     assert all(out[k] for k in ("dtensor/all_gather", "dtensor/reduce_scatter", "functional/all_to_all"))
     assert len(ran) >= 5 * points, (len(ran), points)  # (each point: a work before each of its >= 5 timed calls)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per_parameter", "foreach"])
+def test_the_update_on_local_shards_counts_the_dtensor_ops_it_stands_for(foreach):
+    """The plan traces AdamW's update on the DTensor parameters' local shards (plan.local_update: fast
+    to trace); a real step runs it on DTensors, and each of those ops costs DTensor's host work (~25 us
+    on this CPU, 303 of a TP 2 debug Llama step's ~1,000 DTensor ops). The shortcut counts one DTensor op
+    for each op it runs on the shards or on what they made, as many as DTensor's own update dispatches
+    over the same parameters (the per-parameter loop a CPU runs and the foreach one a GPU runs)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from torchmeg.plan.local_update import on_local_shards
+    from torchmeg.plan.step_cost import StepCost
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        with FakeTensorMode():
+            params = [torch.nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)], run_check=False))
+                      for _ in range(3)]
+            opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+            for p in params:
+                p.grad = DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)], run_check=False)
+            opt.step()  # (the state made, as a plan's untracked first update makes it)
+            counted = {}
+            for how in ("dtensor", "local"):
+                cost = StepCost()
+                with cost, (on_local_shards(opt, cost) if how == "local" else contextlib.nullcontext()):
+                    opt.step()
+                counted[how] = [(name, op[3]) for name, op in zip(cost.op_names, cost.ops)]
+    finally:
+        dist.destroy_process_group()
+    dtensor_ops = [name for name, kind in counted["dtensor"] if kind == "subclass"]
+    assert len(dtensor_ops) >= (1 if foreach else 3) * 5, counted  # (AdamW: >= 5 ops a parameter)
+    assert any(kind == "memory" for _, kind in counted["local"])  # (the shortcut ran its local kernels)
+    assert counted["local"] == counted["dtensor"]  # (each DTensor op, then its local kernel, in order)
 
 
 def _port() -> int:

@@ -151,14 +151,21 @@ def memory_ops(device, dtype, longest: float, budget: float = BUDGET) -> dict[st
     otherwise hold them), as a training step's elementwise ops read activations written long before."""
     names = _memory_ops(torch.ones(256), torch.ones(256))
     out: dict[str, list] = {}
+    # the rotated inputs: slices of one pair of buffers made once (a pair of fresh tensors per copy, size
+    # and op took 9 of this table's 22 s on this CPU, drawing 64 MiB of random numbers 99 times)
+    pool = COLD_BYTES // 8 if device.type != "cuda" else 0
+    xs, ys = torch.randn(pool, device=device, dtype=dtype), torch.rand(pool, device=device, dtype=dtype) + 0.5
     for name in names:
         table = Table(longest, budget / len(names))
         for n in SIZES:
-            if table.full():
-                break
+            if table.full() or (device.type != "cuda" and 4 * n > COLD_BYTES):
+                break  # (a CPU's last point: an operand of COLD_BYTES, DRAM's settled rate, which holds beyond)
             copies = 1 if device.type == "cuda" else max(1, min(64, COLD_BYTES // (8 * n)))
-            fns = [_memory_ops(torch.randn(n, device=device, dtype=dtype),
-                               torch.rand(n, device=device, dtype=dtype) + 0.5)[name] for _ in range(copies)]
+            if copies > 1:  # (copies x n <= pool)
+                fns = [_memory_ops(xs[i * n:(i + 1) * n], ys[i * n:(i + 1) * n])[name] for i in range(copies)]
+            else:
+                fns = [_memory_ops(torch.randn(n, device=device, dtype=dtype),
+                                   torch.rand(n, device=device, dtype=dtype) + 0.5)[name]]
             turn = itertools.cycle(fns)
             t = seconds(lambda: next(turn)(), device)
             table.add([counted(fns[0], "memory")[1], t], t)

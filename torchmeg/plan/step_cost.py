@@ -308,6 +308,11 @@ class StepCost(CommDebugMode):
         self.op_names.append(str(func._overloadpacket))
         self.op_accumulates.append(False)
 
+    def dtensor_op(self, func) -> None:
+        """An op a real step runs on DTensors that the trace ran on their local shards (the optimizer's
+        update, torchmeg.plan.local_update): its host cost, as a subclass op's."""
+        self._subclass_op(func)
+
     def mark(self) -> tuple:
         """Where the tables stand now, for repeat()."""
         return len(self.ops), {k: dict(v) for k, v in self.collectives.items()}

@@ -7,7 +7,6 @@ decides what is traced (a few layers, torchmeg.plan.depth) and combines the trac
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import importlib
@@ -24,6 +23,7 @@ from torchmeg.config.layout import Layout
 from torchmeg.observe.metrics import model_state_bytes
 from torchmeg.parallel.float8 import precompute_scales, precomputes_scales
 from torchmeg.parallel.parallelize import program_for
+from torchmeg.plan.local_update import on_local_shards
 from torchmeg.plan.post_training import reference_copy, rollout_phases
 from torchmeg.plan.memory import current_bytes, peak_bytes, step_memory, take_peak
 from torchmeg.plan.pipeline_stage import accumulated_grads, end_first_backward, give_gradients, replicated_beside_fsdp
@@ -131,7 +131,7 @@ def track_step(run, model_parts, optimizer, labels, microbatches=None, phased: b
     update = optimizer.step
 
     def eager_update(*a, **k):  # the trainer compiles model and loss, never the update
-        with cost.eager(), on_local_shards(optimizer):
+        with cost.eager(), on_local_shards(optimizer, cost):
             return update(*a, **k)
     optimizer.step = eager_update
     phases = {}
@@ -182,47 +182,6 @@ def _fsdp_accumulation_marked(cost: StepCost):
         yield
     finally:
         FSDPParam.accumulate_unsharded_grad_if_needed = accumulate
-
-
-def _one_placement(p: DTensor, state: dict | None) -> bool:
-    """Whether p's gradient and optimizer state exist and have p's mesh and placements."""
-    def same(t) -> bool:
-        return isinstance(t, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements
-    return bool(state) and (p.grad is None or same(p.grad)) and all(
-        same(v) for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
-
-
-@contextlib.contextmanager
-def on_local_shards(opt):
-    """torch's Adam / AdamW update run on the local shards of DTensor parameters, gradients and state:
-    the same local ops DTensor would run, without its sharding propagation. An elementwise update whose
-    parameter, gradient and state tensors all have one mesh and one placement is decided by DTensor as
-    that placement, with no redistribution, and then runs each op on the local tensors; deciding it is
-    the cost (the foreach ops over every parameter, decided afresh in each trace's own fake world: 0.8 s
-    of a 70B trace, more for gpt-oss's experts). Any other case (another optimizer, a placement that
-    differs, state not yet created) runs as the trainer runs it, and so does a real run's update
-    (`--measure`: the reality a plan is checked against runs the trainer's own code, on real tensors)."""
-    pairs = [(g, i, p) for g in opt.param_groups for i, p in enumerate(g["params"]) if isinstance(p, DTensor)]
-    if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or not pairs or not all(
-            isinstance(p._local_tensor, FakeTensor) and _one_placement(p, opt.state.get(p)) for _, _, p in pairs):
-        yield
-        return
-    state = opt.state
-    local = collections.defaultdict(dict, {k: v for k, v in state.items() if not isinstance(k, DTensor)})
-    kept = [p._local_tensor.grad for _, _, p in pairs]
-    for g, i, p in pairs:
-        loc = p._local_tensor
-        loc.grad = p.grad._local_tensor if p.grad is not None else None
-        local[loc] = {k: v._local_tensor if isinstance(v, DTensor) else v for k, v in state[p].items()}
-        g["params"][i] = loc
-    opt.state = local
-    try:
-        yield
-    finally:
-        opt.state = state
-        for (g, i, p), grad in zip(pairs, kept):
-            g["params"][i].grad = grad
-            g["params"][i] = p
 
 
 def peak_phase(phases: dict) -> dict:
