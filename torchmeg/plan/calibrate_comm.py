@@ -1,6 +1,7 @@
 """`--calibrate`'s collectives (torchmeg.plan.calibrate runs this with more than one rank, under torchrun):
 each kind's seconds by buffer size over the default process group, every call timed after a few ms of the
-rank's own work as a step makes it (`step_work`); through c10d (FSDP's, the pipeline's), tensor parallel's
+rank's own work as a step makes it (`step_work`), each point the mean of PASSES passes over the table
+(a slow spell of the machine shared by every point); through c10d (FSDP's, the pipeline's), tensor parallel's
 all-gathers and reduce-scatters through DTensor's redistribute (`dtensor/<kind>`), the all-to-all through
 the functional collective (`functional/all_to_all`: expert and context parallel's); and how much of a
 collective hides under a matmul run beside it (`overlap`: FSDP's prefetch, measured, not assumed).
