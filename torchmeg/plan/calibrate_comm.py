@@ -66,8 +66,7 @@ def collectives(device, longest: float, budget: float = BUDGET) -> dict:
     for nbytes in COMM_BYTES:
         if table.full():
             break
-        c10d_calls, functional_calls = _calls(nbytes, device, mesh)
-        size = 4 * (nbytes // 4 - nbytes // 4 % world)
+        size, c10d_calls, functional_calls = _calls(nbytes, device, mesh)
         for kind, fn in c10d_calls.items():  # the first pass: a call's mean (a step pays the long tail)
             timed[kind, size] = [fn, seconds(fn, device, COMM_MIN_TIME, mean=True, before=work)]
         t = max(timed[k, size][1] for k in c10d)  # (the table's stopping rule: this size's c10d calls)
@@ -94,9 +93,10 @@ def collectives(device, longest: float, budget: float = BUDGET) -> dict:
     return out
 
 
-def _calls(nbytes: int, device, mesh) -> tuple[dict, dict]:
-    """kind -> a call of it over a buffer of about `nbytes` (every rank's the same), bound to this size's own
-    tensors (the later passes call them again): through c10d, and as tensor and expert parallel issue theirs."""
+def _calls(nbytes: int, device, mesh) -> tuple[int, dict, dict]:
+    """(the buffer's bytes: about `nbytes`, a multiple of the ranks; kind -> a call of it over that buffer,
+    every rank's the same, bound to this size's own tensors: the later passes call them again): through
+    c10d, and as tensor and expert parallel issue theirs."""
     world, rank = dist.get_world_size(), dist.get_rank()
     n = nbytes // 4
     big = torch.ones(n - n % world, device=device)
@@ -121,7 +121,7 @@ def _calls(nbytes: int, device, mesh) -> tuple[dict, dict]:
     functional = {"dtensor/all_gather": lambda: _redistributed(local, mesh, Shard(0), Replicate()),
                   "dtensor/reduce_scatter": lambda: _redistributed(whole, mesh, Partial(), Shard(0)),
                   "functional/all_to_all": lambda: funcol.wait_tensor(funcol.all_to_all_single(big, None, None, group))}
-    return c10d, functional
+    return big.numel() * big.element_size(), c10d, functional
 
 
 def _redistributed(local, mesh, src, dst):

@@ -10,6 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 def _one_placement(p: DTensor, state: dict | None) -> bool:
@@ -27,20 +28,19 @@ class _WouldBeDTensor(TorchDispatchMode):
 
     def __init__(self, shards: list, cost):
         super().__init__()
-        self.ids, self.cost = {id(t) for t in shards}, cost
-        self.kept = list(shards)  # (ids stay unique while the tensors live)
+        # (held weakly, by identity: marking a temporary must not keep it alive past its last use, or the
+        # update's traced peak would hold every parameter's temporaries at once)
+        self.marked, self.cost = WeakIdKeyDictionary({t: True for t in shards}), cost
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         # (an aten op, as DTensor's dispatch sees it: not a query of a tensor's device or size)
         stands = func.namespace == "aten" and any(
-            isinstance(t, torch.Tensor) and id(t) in self.ids for t in pytree.tree_leaves((args, kwargs)))
+            isinstance(t, torch.Tensor) and t in self.marked for t in pytree.tree_leaves((args, kwargs)))
         if stands:  # (counted before its local op, in the order a real step dispatches them)
             self.cost.dtensor_op(func)
         out = func(*args, **(kwargs or {}))
         if stands:
-            made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-            self.ids.update(id(t) for t in made)
-            self.kept.extend(made)
+            self.marked.update((t, True) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
         return out
 
 
