@@ -10,7 +10,8 @@ What a datasheet cannot say and the planner needs (torchmeg.plan.calibrated read
               on a CPU exp / silu / a softmax run at their arithmetic's rate, far below a copy's
   dispatch    the host's cost of one eager op of a training step (forward and backward of one-element
               ops: dispatch, autograd's record and visit, a launch; no work); with
-              ranks, what a DTensor op adds to it under autograd (its sharding propagation, in Python)
+              ranks, what a DTensor op of a TP step adds to it (sharding propagation, the parallel
+              styles' hooks, in Python), measured on a real TP model (torchmeg.plan.calibrate_host)
   collectives with more than one rank (under torchrun): all-reduce, all-gather, reduce-scatter,
               all-to-all and a pipeline's send / recv by size over the default process group, the mean
               of a call (a step pays their long tail: torchmeg.plan.timing.seconds), each call made
@@ -33,10 +34,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchmeg.plan.calibrate_comm import collectives
+from torchmeg.plan.calibrate_host import dtensor_op
 from torchmeg.plan.reuse import device_cache_bytes
 from torchmeg.plan.step_cost import StepCost
 from torchmeg.plan.timing import BUDGET, Table, seconds
@@ -191,35 +191,6 @@ def dispatch(device) -> float:
     return seconds(chain, device, 0.05) / len(cost.ops)
 
 
-def subclass_op(device) -> float:
-    """Host seconds a DTensor op adds to its local op in a training step (sharding propagation, the
-    unwrap and rewrap, in Python, forward and backward: autograd sees the DTensor, so its backward ops
-    are DTensor ops too): chains of one-element multiplies of a row-sharded DTensor, forward and
-    backward, against the same chains of plain tensors, per DTensor op the planner counts in them. Two
-    lengths, differenced: the chains' common tail (the sum, the backward's start) cancels. An add
-    without autograd, what this measured before, costs a third of it (7 against 25 us on this CPU,
-    2026-12-07), and a TP step's ops are mostly under autograd."""
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    plain = torch.ones(2 * dist.get_world_size(), 4, device=device)
-    sharded = distribute_tensor(plain, mesh, [Shard(0)])
-
-    def timed(x, length):
-        x = x.detach().requires_grad_(True)
-
-        def chain():
-            y = x
-            for _ in range(length):
-                y = y * 1.0001
-            y.sum().backward()
-        cost = StepCost()
-        with cost:
-            chain()
-        return seconds(chain, device), sum(op[3] == "subclass" for op in cost.ops)
-    (p1, _), (p2, _) = timed(plain, 25), timed(plain, 75)
-    (d1, n1), (d2, n2) = timed(sharded, 25), timed(sharded, 75)
-    return max(0.0, ((d2 - d1) - (p2 - p1)) / max(1, n2 - n1))
-
-
 def cpu_name() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else the machine's architecture."""
     try:
@@ -252,7 +223,7 @@ def calibrate(device: torch.device, longest: float = LONGEST, budget: float = BU
     if cuda and torch.cuda.get_device_capability(device) >= (8, 9):
         cal["matmul"]["float8"] = scaled_matmuls(device, longest, budget)
     if cal["ranks"] > 1:
-        cal["subclass_s"] = subclass_op(device)
+        cal["subclass_s"] = dtensor_op(device, cal["dispatch_s"])
         cal["collectives"] = collectives(device, longest * 4, budget)
     cal["seconds"] = time.perf_counter() - t0
     return cal
