@@ -58,8 +58,7 @@ def _fake_group():
         yield group
     finally:
         clear()
-        if own:
-            dist.destroy_process_group()
+        dist.destroy_process_group(None if own else group)  # (the default group only if it was ours)
 
 
 def _tp_model(device, mesh):
