@@ -6,7 +6,8 @@ the parallel styles' hooks around each module (from_local, redistribute, to_loca
 Chains of one-element DTensor multiplies, what this measured before, cover the first two only and
 priced a TP step's DTensor op at 22-28 us where the same CPU, the same minute, spent 38 us on the
 ops of a real TP model (2026-12-07, this 2-core CPU: a tiny Llama and a tiny MoE alike); the TP 2 rows
-of tools/plan_vs_run.py were the planner's furthest from their runs (0.72-0.84x).
+of tools/plan_vs_run.py were the planner's furthest from their runs (0.72-0.84x; priced as below,
+0.96-0.97: docs/planning.md).
 
 So the planner's per-op price comes from a real step: the trainer's own Llama, tiny (work is
 nothing: every microsecond is host), sharded by its registry TP plan with sequence and loss parallel
