@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
 from torchmeg.plan.calibrate_comm import collectives
 from torchmeg.plan.calibrate_host import dtensor_op
 from torchmeg.plan.reuse import device_cache_bytes
