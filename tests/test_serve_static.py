@@ -117,11 +117,36 @@ def test_a_static_decode_step_dispatches_a_fraction_of_the_eager_ops(model):
     layers = len(model.layers)
     assert counts[False] >= 25 * layers and counts[True] * 4 <= counts[False], counts
     # what the graph runs (dynamo's graph): q, k and v as one matmul (StackedQKV's weight), then wo,
-    # w1, w3, w2 a layer and the head; on a CPU attention by FlexAttention over the pools (no SDPA over
-    # a gathered copy). Eager's graph would hold 7 a layer, the gathered step 2 SDPA calls.
+    # w1, w3, w2 a layer and the head; on a CPU attention by the paged kernel over the pools
+    # (batching.cpu_attention; no SDPA over a gathered copy, no FlexAttention). Eager's graph would hold
+    # 7 a layer, the gathered step 2 SDPA calls.
     ops = engine.runner.static.graph_ops
+    assert engine.runner.static.view.kernel == "paged"
     assert ops["linear"] == 5 * layers + 1, ops
-    assert ops["flex_attention"] == layers and ops["scaled_dot_product_attention"] == 0, ops
+    assert ops["paged_decode_attention"] == layers, ops
+    assert ops["flex_attention"] == ops["scaled_dot_product_attention"] == 0, ops
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+def test_without_the_paged_kernel_the_step_runs_flex_attention_and_the_eager_tokens(monkeypatch, caplog):
+    """Where the CPU kernel cannot be built (no compiler, no ninja, a build error), one warning says why
+    and the static step attends by FlexAttention over the pools (inductor's C++ template): the same
+    tokens as the eager engine, fp32, on a mix that decodes at several padded sizes."""
+    from torchmeg.batching import cpu_attention
+    monkeypatch.setattr(cpu_attention, "_state", {})
+    monkeypatch.setattr(cpu_attention, "_build", lambda: (_ for _ in ()).throw(OSError("ninja: not found")))
+    model = _model()  # (its own: a step compiled for the kernel is another model's)
+    requests = _mix(24, seed=3)
+    with caplog.at_level("WARNING", logger="torchmeg.serve"):
+        static, engine, steps = _serve(model, requests, static=True, max_seqs=8, max_len=128)
+    assert cpu_attention.why_not() == "OSError: ninja: not found"
+    assert sum("kernel was not built (OSError: ninja: not found)" in r.getMessage() for r in caplog.records) == 1
+    s = engine.runner.static
+    assert s.view.kernel == "flex" and s.graph_ops["flex_attention"] == len(model.layers), s.graph_ops
+    assert s.graph_ops["paged_decode_attention"] == 0 and len(s.steps) >= 2, s.steps
+    eager, _, _ = _serve(model, requests, static=False, max_seqs=8, max_len=128)
+    assert [(j.tokens, j.finish_reason) for j in static] == [(j.tokens, j.finish_reason) for j in eager]
 
 
 @pytest.mark.slow

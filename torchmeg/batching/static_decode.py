@@ -19,10 +19,12 @@ residuals, the cache writes' index math) and a GPU replays the whole step as one
   (two on a GPU) serves every size and length (`compiles` counts them: tests/test_serve_static.py). On a GPU each size and width is recorded as a CUDA graph the first time
   it runs and replayed after (inductor's cudagraph trees); the pools are marked static (the graphs
   write them in place). On a CPU the kernels are called from C++ (inductor's cpp_wrapper).
-- **Attention**: on a CPU FlexAttention over the pools themselves (inductor's C++ template): one
-  block mask a step, each row's table its blocks (the last one masked past the row's start), so a row
-  reads only its own blocks and nothing is copied; the rows are the queries of one sequence, each its
-  own query block. Elsewhere SDPA over the view gathered through the block tables (as the eager
+- **Attention**: on a CPU our paged decode kernel over the pools themselves (batching.cpu_attention:
+  each row's query against its own positions through its table; built at the first CPU engine), or
+  where it cannot be built FlexAttention over the pools (inductor's C++ template: one block mask a
+  step, each row's table its blocks, the last one masked past the row's start; the rows the queries of
+  one sequence, each its own query block): either way a row reads only its own blocks and nothing is
+  copied. Elsewhere SDPA over the view gathered through the block tables (as the eager
   decode's batching.paged), masked past each row's start (FlexAttention's GPU kernel under CUDA graphs
   not yet measured here). q, k and v as one matmul (`StackedQKV`: a copy of the three weights stacked,
   kept in step with them). RoPE in its real form (models.rope.REAL_FORM, set around the step: one
@@ -48,6 +50,7 @@ from collections import Counter
 
 import torch
 
+from torchmeg.batching import cpu_attention
 from torchmeg.batching.blocks import BLOCK, NULL
 from torchmeg.batching.paged import PagedCache
 from torchmeg.models.kv_cache import LayerCache
@@ -86,7 +89,8 @@ class StaticDecode:
         self.model, self.cache, self.graphs = model, cache, graphs
         self.sizes = capture_sizes(max_seqs)
         self.steps: Counter = Counter()  # decode steps run, by padded size
-        self.view = StaticCache(cache)
+        # a CPU's attention: the paged kernel (built at the first CPU engine), else FlexAttention
+        self.view = StaticCache(cache, paged_kernel=cache.device.type == "cpu" and cpu_attention.load())
         self.qkv = StackedQKV.of(model)
         self._fn, self._compiled = compiled_step(model, graphs)
 
@@ -244,12 +248,13 @@ class StaticCache:
     """The cache interface the model code calls (models.kv_cache: layer(name), mask, query_slots),
     over a PagedCache's pools, its per-step tensors bound inside the compiled step."""
 
-    def __init__(self, paged: PagedCache):
+    def __init__(self, paged: PagedCache, paged_kernel: bool = False):
         self.paged = paged
         self.layers: dict[str, StaticLayer] = {}
         self.model_state: dict = {}
         self.marked = False
-        self.flex = paged.device.type == "cpu"
+        # a decode's attention: "paged" (batching.cpu_attention's kernel), "flex" (a CPU without it), "sdpa"
+        self.kernel = "paged" if paged_kernel else "flex" if paged.device.type == "cpu" else "sdpa"
 
     def layer(self, name: str) -> "StaticLayer":
         return self.layers[name]
@@ -332,13 +337,17 @@ class StaticLayer(LayerCache):
         return pool.index_select(1, c.read.flatten()).view(K, R, L, D).transpose(0, 1)
 
     def attend(self, q_BHLD: torch.Tensor, k_BKLD: torch.Tensor, v_BKLD: torch.Tensor) -> torch.Tensor:
-        """On a CPU FlexAttention over the pools themselves, each row only its own blocks (no gathered
-        copy, no padding read); elsewhere, or a pool of another dtype, SDPA over the gathered view."""
+        """On a CPU the paged kernel (batching.cpu_attention), else FlexAttention, over the pools
+        themselves, each row only its own blocks (no gathered copy, no padding read); elsewhere, or a
+        pool of another dtype, SDPA over the gathered view."""
         c = self.owner
-        if not c.flex or q_BHLD.dtype != self.paged_layer.k.dtype:
+        if c.kernel == "sdpa" or q_BHLD.dtype != self.paged_layer.k.dtype:
             return super().attend(q_BHLD, k_BKLD, v_BKLD)
-        from torch.nn.attention.flex_attention import flex_attention  # lazy: the static step's trace only
         pk, pv = self._store("k", k_BKLD), self._store("v", v_BKLD)
+        if c.kernel == "paged":  # (one query a row: [rows, H, 1, D])
+            return cpu_attention.paged_decode_attention(q_BHLD[:, :, 0], pk, pv, c.tables, c.write_at[:, 0],
+                                                        q_BHLD.shape[-1] ** -0.5, BLOCK)[:, :, None]
+        from torch.nn.attention.flex_attention import flex_attention  # lazy: the static step's trace only
         # the rows as the queries of one sequence, each query its own block of the mask (a batch of rows
         # over a batch-1 pool is a broadcast that asks rows != 1, which an unbacked batch cannot answer);
         # the query scaled here, a buffer of its own (inductor's CPU template reads the query's 4 sizes
