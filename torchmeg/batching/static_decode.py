@@ -36,7 +36,8 @@ residuals, the cache writes' index math) and a GPU replays the whole step as one
 
 Prefill stays eager (batching.runner): prompts vary in length and are compute-bound. Serving turns the
 step on with `--static-decode on` (default `auto`: on with CUDA, where the graphs pay; a CPU pays a
-compile at the first decode, ~20 s for a small model) and off with `--enforce-eager` (vLLM's flag).
+compile at the first decode, ~20 s for a small model, and the attention kernel's build once per
+machine, ~10-25 s) and off with `--enforce-eager` (vLLM's flag).
 Eligible: torchmeg's own model families on one rank (`eligible`); `hf` models, whose attention runs
 through transformers' interface, and tensor-parallel engines keep the eager step. The step compiles as
 one graph (fullgraph); one that does not (the MoE families: their experts run under
