@@ -6,14 +6,15 @@ query row reads only its own positions, through its block table, straight from t
 over its keys (a dot product a position, vectorized over the head dimension), a softmax, one pass
 over its values. FlexAttention's CPU template, which the step ran before and falls back to, runs a
 decode 16 positions at a time with two GEMM calls and a softmax update each; on the 2-core CPU of
-docs/generation.md the kernel took the 16-layer step from 6.9 to 5.0 ms at 32 rows (same process,
-alternating). No library offers this for torch's current releases (vLLM's CPU kernels live in its own
-binary; Intel's extension pins old torch releases), so it is ours: ~100 lines of C++.
+docs/generation.md the kernel took the 16-layer step at 32 rows from 4.23 to 3.11 ms (same process,
+alternating; 6.88 to 5.03 in a slow hour). No library offers this for torch's current releases (vLLM's
+CPU kernels live in its own binary; Intel's extension pins old torch releases), so it is ours: ~140
+lines of C++.
 
 Built with torch.utils.cpp_extension (a C++ compiler, as inductor on a CPU needs, and ninja: the test and
 serve extras install it) into its build folder (TORCH_EXTENSIONS_DIR, else the user's cache), once per
 machine and instruction set (`torch.backends.cpu.get_cpu_capability()`: AVX512, AVX2 or the compiler's
-default; a name per set, so no build runs on a CPU without it): ~25 s on a 2-core CPU, a load after.
+default; a name per set, so no build runs on a CPU without it): ~10-25 s on a 2-core CPU, a load after.
 Where the build fails, `load()` says why in one warning and the step keeps FlexAttention.
 
 The schema and the fake (shape) function are defined here at import, so a graph can be traced with
